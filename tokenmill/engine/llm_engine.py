@@ -1,0 +1,135 @@
+"""LLMEngine: the synchronous engine. One ``step()`` = schedule -> execute (build input,
+forward, sample) -> update -> detokenize."""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.processor import Processor, PromptType
+from tokenmill.engine.stats import EngineStats
+from tokenmill.models.hub import resolve_model
+from tokenmill.models.loader import load_tokenizer, open_checkpoint
+from tokenmill.outputs import RequestOutput
+from tokenmill.platform import pick_device, resolve_dtype, set_num_threads
+from tokenmill.request import RequestStatus
+from tokenmill.runner.kv_tensors import bytes_per_block, decide_num_blocks
+from tokenmill.runner.model_loader import build_model
+from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.sched.scheduler import Scheduler
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc, cc = config.model, config.cache
+        self.num_threads = set_num_threads(config.num_threads)
+        self.device = pick_device()
+        self.dtype = resolve_dtype(mc.dtype, self.device)
+        self.model_path = resolve_model(mc.model, cache_dir=config.cache_dir)
+        checkpoint = open_checkpoint(self.model_path)
+        hf = checkpoint.hf_config
+        self.max_model_len = _decide_max_model_len(mc.max_model_len, hf)
+        self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(self.model_path)
+        torch.manual_seed(mc.seed)
+        self.model = build_model(checkpoint, self.device, self.dtype, self.max_model_len)
+        self.weight_bytes = sum(p.numel() * p.element_size()
+                                for p in {id(p): p for p in self.model.parameters()}.values())
+        a = self.model.args
+        per_block = bytes_per_block(a.num_hidden_layers, cc.block_size, a.num_key_value_heads,
+                                    a.head_dim, self.dtype)
+        num_blocks = decide_num_blocks(cc.num_kv_blocks, cc.kv_cache_memory,
+                                       cc.gpu_memory_utilization, per_block, self.device,
+                                       self.weight_bytes)
+        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.device, self.dtype,
+                                  mc.attention_backend, seed=mc.seed)
+        self.scheduler = Scheduler(config.scheduler, cc, num_blocks, self.max_model_len)
+        self.processor = Processor(self.tokenizer, self.max_model_len, a.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = EngineStats()
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: Optional[str], prompt: PromptType, params: SamplingParams,
+                    priority: int = 0, cache_salt: Optional[str] = None) -> str:
+        """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
+        request_id = request_id if request_id is not None else self.processor.next_request_id()
+        if self.output_processor.has(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, prompt_ids = self.processor.tokenize_prompt(prompt)
+        requests = self.processor.make_requests(request_id, prompt_ids, params, priority, cache_salt)
+        added = []
+        try:
+            for req in requests:
+                self.scheduler.add_request(req)
+                added.append(req.request_id)
+        except ValueError:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        self.output_processor.add(text, requests)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        for child in self.output_processor.child_ids(request_id) or [request_id]:
+            req = self.scheduler.requests.get(child)
+            self.scheduler.finish_requests(child, RequestStatus.FINISHED_ABORTED)
+            if req is not None:
+                self.stats.on_finished(req)
+        self.output_processor.drop(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.monotonic()
+        sched_out = self.scheduler.schedule()
+        runner_out = self.runner.execute(sched_out)
+        core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        live = {o.req_id: self._request_or_none(o.req_id) for o in core_outputs}
+        results, stops = self.output_processor.process(core_outputs, live)
+        for child_id, stop_str in stops:
+            self.scheduler.finish_requests(child_id, RequestStatus.FINISHED_STOPPED, stop_str)
+        self._record(core_outputs, live, time.monotonic() - t0)
+        return results
+
+    def _request_or_none(self, req_id: str):
+        return self.scheduler.requests.get(req_id) or self.scheduler.recently_finished.get(req_id)
+
+    def _record(self, core_outputs, live, elapsed: float) -> None:
+        self.stats.num_steps += 1
+        self.stats.busy_time += elapsed
+        for out in core_outputs:
+            self.stats.num_generated_tokens += len(out.new_token_ids)
+            req = live.get(out.req_id)
+            if req is not None and req.is_finished:
+                self.stats.on_finished(req)
+        self.scheduler.recently_finished.clear()
+
+    # -- introspection ----------------------------------------------------------------------
+    def get_stats(self) -> dict:
+        return self.stats.snapshot(self.scheduler.num_preemptions,
+                                   self.scheduler.kv.prefix_stats.hit_rate)
+
+    def get_memory_stats(self) -> dict:
+        kv = self.scheduler.kv
+        return {
+            "model_weights": self.weight_bytes,
+            "kv_cache": self.runner.kv_cache_bytes,
+            "kv_cache_usage_perc": 100.0 * kv.usage,
+            "num_free_blocks": kv.num_free_blocks,
+            "num_total_blocks": kv.num_total_blocks,
+            "block_size": kv.block_size,
+        }
+
+
+def _decide_max_model_len(requested: Optional[int], hf_config: dict) -> int:
+    limit = hf_config.get("max_position_embeddings") or 2048
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len {requested} exceeds the model's context length {limit}")
+    return requested

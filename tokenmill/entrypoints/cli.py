@@ -1,0 +1,158 @@
+"""`tokenmill` command line: generate, chat, pull."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+
+def _default_cache_dir() -> Optional[str]:
+    # The one place an env var is read: the CLI turns it into an explicit argument.
+    return os.environ.get("TOKENMILL_CACHE")
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="smollm2-135m",
+                   help="model name (see `tokenmill pull --list`), HF directory or .gguf file")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _make_llm(args):
+    from tokenmill.entrypoints.llm import LLM
+    return LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+               block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+               kv_cache_memory=args.kv_cache_memory,
+               gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+               num_threads=args.num_threads, cache_dir=_default_cache_dir())
+
+
+def _sampling_params(args):
+    from tokenmill.sampling_params import SamplingParams
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.sampling_seed,
+                          stop=args.stop)
+
+
+def cmd_generate(args) -> int:
+    llm = _make_llm(args)
+    params = _sampling_params(args)
+    prompts = args.prompt or ["The capital of France is"]
+    if args.chat:
+        outputs = [llm.chat([{"role": "user", "content": p}], params, use_tqdm=False)[0]
+                   for p in prompts]
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.outputs[0].text,
+                              "token_ids": out.outputs[0].token_ids,
+                              "finish_reason": out.outputs[0].finish_reason}))
+        else:
+            print(f"--- prompt: {prompt!r}\n{out.outputs[0].text}\n"
+                  f"[finish_reason={out.outputs[0].finish_reason}, "
+                  f"tokens={len(out.outputs[0].token_ids)}]")
+    if args.stats:
+        print(json.dumps({"stats": llm.get_stats(), "memory": llm.get_memory_stats()}, indent=2))
+    return 0
+
+
+def cmd_chat(args) -> int:
+    llm = _make_llm(args)
+    params = _sampling_params(args)
+    tokenizer = llm.get_tokenizer()
+    history = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("tokenmill chat — empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
+        shown = ""
+        for out in llm.stream({"prompt_token_ids": ids}, params):
+            text = out.outputs[0].text
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": shown})
+    return 0
+
+
+def cmd_pull(args) -> int:
+    from tokenmill.models.hub import known_models, pull
+    if args.list or not args.name:
+        for name in known_models():
+            print(name)
+        return 0
+    print(pull(args.name, cache_dir=_default_cache_dir()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate completions for prompts (offline)")
+    _add_engine_args(g)
+    _add_sampling_args(g)
+    g.add_argument("prompt", nargs="*", help="prompt text(s)")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user chat message")
+    g.add_argument("--json", action="store_true", help="one JSON object per output")
+    g.add_argument("--stats", action="store_true", help="print engine and memory stats")
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat that streams tokens")
+    _add_engine_args(c)
+    _add_sampling_args(c)
+    c.add_argument("--system", default=None, help="system prompt")
+    c.set_defaults(func=cmd_chat)
+    p = sub.add_parser("pull", help="fetch a named model into the local cache")
+    p.add_argument("name", nargs="?")
+    p.add_argument("--list", action="store_true", help="list known model names")
+    p.set_defaults(func=cmd_pull)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tokenmill: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

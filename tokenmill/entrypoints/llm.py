@@ -1,0 +1,129 @@
+"""Offline API with vLLM's spelling: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence, Union
+
+from tqdm import tqdm
+
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m", dtype: str = "auto",
+                 max_model_len: Optional[int] = None, block_size: int = 16,
+                 num_kv_blocks: Optional[int] = None, kv_cache_memory: Optional[int] = None,
+                 gpu_memory_utilization: float = 0.9, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
+                 scheduling_policy: str = "fcfs", skip_tokenizer_init: bool = False, seed: int = 0,
+                 num_threads: Optional[int] = None, attention_backend: str = "auto",
+                 cache_dir: Optional[str] = None) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
+                              skip_tokenizer_init=skip_tokenizer_init,
+                              attention_backend=attention_backend),
+            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                              kv_cache_memory=kv_cache_memory,
+                              gpu_memory_utilization=gpu_memory_utilization,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
+                                      max_num_batched_tokens=max_num_batched_tokens,
+                                      policy=scheduling_policy),
+            num_threads=num_threads, cache_dir=cache_dir)
+        self.engine = LLMEngine(config)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+        ids = self._add_all(prompts, params, priority)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, **template_kwargs) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+        tokenizer = self._require_tokenizer()
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(
+            conv, add_generation_prompt=add_generation_prompt, tokenize=True, **template_kwargs)}
+            for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def stream(self, prompt, sampling_params: Optional[SamplingParams] = None) -> Iterator[RequestOutput]:
+        """Yield the growing RequestOutput of one prompt after every engine step."""
+        params = sampling_params or SamplingParams()
+        request_id = self.engine.add_request(None, prompt, params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+                if not self.engine.has_unfinished_requests():
+                    return
+        finally:
+            if self.engine.output_processor.has(request_id):
+                self.engine.abort_request(request_id)
+
+    def get_stats(self) -> dict:
+        return self.engine.get_stats()
+
+    def get_memory_stats(self) -> dict:
+        return self.engine.get_memory_stats()
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _require_tokenizer(self):
+        if self.engine.tokenizer is None:
+            raise ValueError("this LLM was created with skip_tokenizer_init=True")
+        return self.engine.tokenizer
+
+    @staticmethod
+    def _params_per_prompt(sampling_params, num: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * num
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * num
+        params = list(sampling_params)
+        if len(params) != num:
+            raise ValueError(f"got {len(params)} sampling_params for {num} prompts")
+        return params
+
+    def _add_all(self, prompts, params, priority) -> list[str]:
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                ids.append(self.engine.add_request(None, prompt, p,
+                                                   priority=priority[i] if priority else 0))
+        except Exception:
+            for request_id in ids:   # all or nothing: a bad prompt queues none of the batch
+                self.engine.abort_request(request_id)
+            raise
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while pending and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        finished[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+            for request_id in pending:
+                self.engine.abort_request(request_id)
+        return [finished[i] for i in ids if i in finished]

@@ -1,0 +1,80 @@
+"""Attention backend interface, the shared cache write, and backend selection."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional
+
+import torch
+
+from tokenmill.layers.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Causal attention of a mixed batch over a paged KV cache.
+
+    Query token i of a request with ``q_len`` query tokens and ``seq_len`` context sits at
+    position ``seq_len - q_len + i`` and attends to cached keys at positions <= its own
+    (and > position - sliding_window when a window is given). Query head h reads KV head
+    ``h // (num_heads // num_kv_heads)`` (GQA).
+    """
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,    # [T, num_heads, head_dim]
+        key: torch.Tensor,      # [T, num_kv_heads, head_dim], this step's K, rotary applied
+        value: torch.Tensor,    # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: Optional[int] = None,
+    ) -> torch.Tensor:          # [T, num_heads, head_dim]
+        """Write key/value into the caches at ``meta.slot_mapping``, then attend."""
+
+
+def write_kv(
+    key: torch.Tensor,           # [T, num_kv_heads, head_dim]
+    value: torch.Tensor,         # [T, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,       # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,       # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [T] int64 flat slots
+) -> None:
+    """Store this step's K/V at their slots, in place."""
+    # A non-contiguous cache would make flatten() return a copy and the write would vanish.
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    k_flat = k_cache.flatten(0, 1)  # [num_slots, num_kv_heads, head_dim] view
+    v_flat = v_cache.flatten(0, 1)
+    k_flat.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
+    v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+
+
+def check_gqa(num_heads: int, num_kv_heads: int) -> int:
+    """Return the number of query heads per KV head, or raise on a bad ratio."""
+    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    return num_heads // num_kv_heads
+
+
+BACKEND_NAMES = ("reference", "cpu", "auto")
+
+
+def get_attention_backend(name: str = "auto") -> AttentionBackend:
+    """Return a backend by name: "reference", "cpu" or "auto".
+
+    "auto" picks the CPU fast path; it is plain PyTorch, so it is also correct on CUDA
+    until a CUDA-specific backend exists. Imports are lazy so that backends may import this
+    module without a cycle, and so that a future CUDA backend never loads on CPU.
+    """
+    if name in ("cpu", "auto"):
+        from tokenmill.layers.attention.cpu import CpuAttention
+        return CpuAttention()
+    if name == "reference":
+        from tokenmill.layers.attention.reference import ReferenceAttention
+        return ReferenceAttention()
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {list(BACKEND_NAMES)}")

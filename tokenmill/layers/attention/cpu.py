@@ -1,0 +1,179 @@
+"""Faster paged attention in plain PyTorch, tuned for CPU (correct on any device).
+
+Two paths, chosen per request from the Python query lengths:
+- short runs (decode tokens, 1 + k speculative tokens) are batched: whole KV blocks are
+  gathered into a padded [B, L, Hkv, D] tensor with one index op and attended with one
+  masked SDPA call. GQA costs no copy: the G query heads sharing a KV head are folded
+  into SDPA's query-length axis, so K/V are read once per KV head.
+- long runs (prefill chunks) go one request at a time through SDPA; a chunk starting at
+  position 0 attends to its fresh K/V directly, without reading the cache back.
+Compute is fp32 (bf16 matmul on CPU is far slower); the output has the query's dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers.attention.base import AttentionBackend, check_gqa, write_kv
+from tokenmill.layers.attention.metadata import AttentionMetadata
+
+# Runs up to this many query tokens share the padded batched path. Past it, padding every
+# request's queries to the longest run wastes more than the per-request loop costs.
+MAX_BATCHED_QUERY_LEN = 8
+
+
+class CpuAttention(AttentionBackend):
+    name = "cpu"
+
+    def forward(
+        self,
+        query: torch.Tensor,    # [T, num_heads, head_dim]
+        key: torch.Tensor,      # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,    # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: Optional[int] = None,
+    ) -> torch.Tensor:          # [T, num_heads, head_dim]
+        write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        check_gqa(query.shape[1], k_cache.shape[2])
+        out = torch.empty_like(query)
+        short = [b for b, q in enumerate(meta.query_lens) if q <= MAX_BATCHED_QUERY_LEN]
+        if short:
+            _batched_short(query, k_cache, v_cache, meta, short, scale, sliding_window, out)
+        starts = _starts(meta.query_lens)
+        for b, q_len in enumerate(meta.query_lens):
+            if q_len > MAX_BATCHED_QUERY_LEN:
+                s, e = starts[b], starts[b] + q_len
+                out[s:e] = _prefill_one(
+                    query[s:e], key[s:e], value[s:e], k_cache, v_cache,
+                    meta.block_tables[b], meta.seq_lens_list[b], scale, sliding_window,
+                ).to(out.dtype)
+        return out
+
+
+def _starts(query_lens: list[int]) -> list[int]:
+    starts, total = [], 0
+    for q in query_lens:
+        starts.append(total)
+        total += q
+    return starts
+
+
+def _batched_short(
+    query: torch.Tensor,    # [T, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    reqs: list[int],        # indices of the requests on this path
+    scale: float,
+    sliding_window: Optional[int],
+    out: torch.Tensor,      # [T, num_heads, head_dim], rows of `reqs` are written
+) -> None:
+    device = query.device
+    num_blocks_used = -(-max(meta.seq_lens_list[b] for b in reqs) // meta.block_size)
+    req_idx = torch.tensor(reqs, device=device)
+    k, v = _gather_blocks(k_cache, v_cache, meta.block_tables[req_idx, :num_blocks_used])
+    tok, q_pos, valid = _short_query_index(meta, reqs, device)      # each [Bs, Qmax]
+    num_reqs, max_q = tok.shape
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = query.shape[1] // num_kv_heads
+    # [Bs, Qmax, H, D] -> [Bs, Hkv, Qmax*G, D]: heads sharing a KV head become query rows.
+    q = query[tok].float().view(num_reqs, max_q, num_kv_heads, group, head_dim)
+    q = q.permute(0, 2, 1, 3, 4).reshape(num_reqs, num_kv_heads, max_q * group, head_dim)
+    mask = _mask(q_pos, k.shape[2], sliding_window)                 # [Bs, Qmax, L]
+    mask = mask[:, None, :, None, :].expand(-1, 1, -1, group, -1)
+    mask = mask.reshape(num_reqs, 1, max_q * group, -1)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    # [Bs, Hkv, Qmax*G, D] -> [Bs, Qmax, H, D]
+    o = o.view(num_reqs, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)
+    o = o.reshape(num_reqs, max_q, num_kv_heads * group, head_dim)
+    if max_q == 1:  # pure decode: every row is real, skip the boolean select
+        out[tok[:, 0]] = o[:, 0].to(out.dtype)
+    else:
+        out[tok[valid]] = o[valid].to(out.dtype)
+
+
+def _gather_blocks(
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,   # [Bs, nb] block ids
+) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [Bs, Hkv, nb*block_size, D] fp32
+    # Whole blocks are copied (contiguous rows), not slot by slot; positions past a
+    # request's seq_len are padding that the mask hides.
+    num_reqs, nb = tables.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        g = cache[tables].view(num_reqs, nb * block_size, num_kv_heads, head_dim)
+        return g.float().transpose(1, 2)
+
+    return gather(k_cache), gather(v_cache)
+
+
+def _short_query_index(
+    meta: AttentionMetadata, reqs: list[int], device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # tok, q_pos, valid: [Bs, Qmax]
+    """Token rows, positions and validity of each request's queries, padded to Qmax.
+
+    Padding rows repeat the request's last real token so they never see an empty key set
+    (which would give NaN); they are dropped before writing the output.
+    """
+    starts = _starts(meta.query_lens)
+    q_lens = torch.tensor([meta.query_lens[b] for b in reqs], device=device)
+    first = torch.tensor([starts[b] for b in reqs], device=device)
+    ctx = torch.tensor([meta.seq_lens_list[b] for b in reqs], device=device) - q_lens
+    max_q = max(meta.query_lens[b] for b in reqs)
+    i = torch.arange(max_q, device=device)[None, :]                  # [1, Qmax]
+    valid = i < q_lens[:, None]
+    i = torch.minimum(i, q_lens[:, None] - 1)
+    return first[:, None] + i, ctx[:, None] + i, valid
+
+
+def _mask(
+    q_pos: torch.Tensor,  # [..., Q] int64 positions of the queries
+    num_keys: int,
+    sliding_window: Optional[int],
+) -> torch.Tensor:        # [..., Q, num_keys] bool, True = may attend
+    # k <= q_pos also hides padding keys: every query position is < its request's seq_len.
+    k_pos = torch.arange(num_keys, device=q_pos.device)
+    allowed = k_pos <= q_pos[..., None]
+    if sliding_window is not None:
+        allowed &= k_pos > q_pos[..., None] - sliding_window
+    return allowed
+
+
+def _prefill_one(
+    q: torch.Tensor,            # [q_len, num_heads, head_dim]
+    key: torch.Tensor,          # [q_len, num_kv_heads, head_dim] this chunk's fresh K
+    value: torch.Tensor,        # [q_len, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_num_blocks]
+    seq_len: int,
+    scale: float,
+    sliding_window: Optional[int],
+) -> torch.Tensor:              # [q_len, num_heads, head_dim] fp32
+    q_len = q.shape[0]
+    ctx = seq_len - q_len
+    if ctx == 0:
+        # Nothing cached before this chunk: the fresh K/V are the whole context.
+        k, v = key.float().transpose(0, 1), value.float().transpose(0, 1)  # [Hkv, S, D]
+    else:
+        nb = -(-seq_len // k_cache.shape[1])
+        k, v = _gather_blocks(k_cache, v_cache, block_table[None, :nb])
+        k, v = k[0, :, :seq_len], v[0, :, :seq_len]
+    qt = q.float().transpose(0, 1)                                       # [H, q_len, D]
+    if ctx == 0 and sliding_window is None:
+        o = F.scaled_dot_product_attention(
+            qt, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        q_pos = torch.arange(ctx, seq_len, device=q.device)
+        mask = _mask(q_pos, seq_len, sliding_window)                     # [q_len, S]
+        o = F.scaled_dot_product_attention(
+            qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)

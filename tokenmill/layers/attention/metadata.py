@@ -1,0 +1,105 @@
+"""Per-step attention metadata for a mixed batch over a paged KV cache.
+
+Terms:
+- query tokens: the tokens of a request computed in this step (a prefill chunk, one decode
+  token, or 1 + k speculative tokens); ``query_len`` of them per request.
+- context / seq_len: every token of the request whose K/V is in the cache *after* this step
+  writes its own tokens, so the query tokens are the last ``query_len`` of ``seq_len``.
+- slot: ``block_id * block_size + offset``, the row of a cache viewed as
+  ``[num_blocks * block_size, num_kv_heads, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_tokens: int                # T = total query tokens this step
+    query_start_loc: torch.Tensor  # [B+1] int64, cumulative query lengths
+    seq_lens: torch.Tensor         # [B] int64, context length after this step's tokens
+    block_tables: torch.Tensor     # [B, max_num_blocks] int64, padded with 0
+    slot_mapping: torch.Tensor     # [T] int64, flat cache slot of each query token
+    query_lens: list[int]
+    seq_lens_list: list[int]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens)
+
+    @staticmethod
+    def build(
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device,
+    ) -> "AttentionMetadata":
+        """Build tensors from plain lists (the scheduler's view) on ``device``."""
+        _validate(query_lens, seq_lens, block_tables, block_size)
+        num_reqs = len(query_lens)
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        s_lens = torch.tensor(seq_lens, dtype=torch.int64)
+        cu_q = torch.zeros(num_reqs + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=cu_q[1:])
+        tables = _pad_block_tables(block_tables)
+        slot_mapping = _slot_mapping(q_lens, s_lens, cu_q, tables, block_size)
+        return AttentionMetadata(
+            num_tokens=int(cu_q[-1]),
+            query_start_loc=cu_q.to(device),
+            seq_lens=s_lens.to(device),
+            block_tables=tables.to(device),
+            slot_mapping=slot_mapping.to(device),
+            query_lens=list(query_lens),
+            seq_lens_list=list(seq_lens),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            block_size=block_size,
+        )
+
+
+def _validate(query_lens, seq_lens, block_tables, block_size) -> None:
+    # Caught here, in Python, because a bad index inside a gather is a silent wrong answer
+    # (or an opaque device assert) much later.
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if not (len(query_lens) == len(seq_lens) == len(block_tables)):
+        raise ValueError(
+            f"length mismatch: {len(query_lens)} query_lens, {len(seq_lens)} seq_lens, "
+            f"{len(block_tables)} block_tables")
+    for b, (q, s, table) in enumerate(zip(query_lens, seq_lens, block_tables)):
+        if not 1 <= q <= s:
+            raise ValueError(f"request {b}: need 1 <= query_len ({q}) <= seq_len ({s})")
+        needed = -(-s // block_size)
+        if len(table) < needed:
+            raise ValueError(
+                f"request {b}: seq_len {s} needs {needed} blocks, block table has {len(table)}")
+
+
+def _pad_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    width = max((len(t) for t in block_tables), default=0)
+    width = max(width, 1)  # keep a [B, >=1] shape so indexing code needs no special case
+    padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
+    return torch.tensor(padded, dtype=torch.int64).reshape(len(block_tables), width)
+
+
+def _slot_mapping(
+    q_lens: torch.Tensor,   # [B]
+    s_lens: torch.Tensor,   # [B]
+    cu_q: torch.Tensor,     # [B+1]
+    tables: torch.Tensor,   # [B, max_num_blocks]
+    block_size: int,
+) -> torch.Tensor:          # [T]
+    num_tokens = int(cu_q[-1])
+    req_idx = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [T]
+    # Position of token i of request b is (seq_len - q_len) + i.
+    offset_in_run = torch.arange(num_tokens) - cu_q[:-1][req_idx]
+    positions = (s_lens - q_lens)[req_idx] + offset_in_run
+    block_ids = tables[req_idx, positions // block_size]
+    return block_ids * block_size + positions % block_size

@@ -1,0 +1,16 @@
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 like the HF reference."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, hidden]
+        x32 = x.float()
+        var = x32.pow(2).mean(-1, keepdim=True)
+        return (self.weight * (x32 * torch.rsqrt(var + self.eps))).to(x.dtype)

@@ -1,0 +1,150 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, ...). Math only: no scheduling, device or
+quantization branches. Parameter names match HF checkpoints; q/k/v and gate/up are fused
+into one matmul each, declared in ``stacked_params``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.attention.base import AttentionBackend
+from tokenmill.layers.attention.metadata import AttentionMetadata
+from tokenmill.layers.linear import Linear, MergedLinear
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "LlamaArgs":
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        rope_params = cfg.get("rope_parameters")   # transformers 5 spelling
+        if isinstance(rope_params, dict):
+            rope_theta = rope_theta or rope_params.get("rope_theta")
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = rope_scaling or rope_params
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=rope_theta or 10000.0,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            a.num_attention_heads, a.num_key_value_heads, a.head_dim)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(a.hidden_size, [q_size, kv_size, kv_size], ["q", "k", "v"],
+                                     bias=a.attention_bias)
+        self.o_proj = Linear(q_size, a.hidden_size, bias=a.attention_bias)
+        self.rotary = rotary
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        # positions [T]; x [T, hidden]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        inter = a.intermediate_size
+        self.gate_up_proj = MergedLinear(a.hidden_size, [inter, inter], ["gate", "up"], bias=a.mlp_bias)
+        self.down_proj = Linear(inter, a.hidden_size, bias=a.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, hidden]
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(a, rotary)
+        self.mlp = LlamaMLP(a)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+    def forward(self, positions, x, kv_cache, meta, backend) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(a, rotary) for _ in range(a.num_hidden_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (fused parameter fragment, shard id)
+    stacked_params = {
+        ".q_proj.": (".qkv_proj.", "q"), ".k_proj.": (".qkv_proj.", "k"),
+        ".v_proj.": (".qkv_proj.", "v"),
+        ".gate_proj.": (".gate_up_proj.", "gate"), ".up_proj.": (".gate_up_proj.", "up"),
+    }
+
+    def __init__(self, hf_config: dict) -> None:
+        super().__init__()
+        self.args = LlamaArgs.from_hf(hf_config)
+        self.model = LlamaModel(self.args)
+        self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size)
+        if self.args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.args.num_key_value_heads
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        # input_ids [T], positions [T] -> hidden [T, hidden]
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta, backend)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:   # [N, hidden] -> [N, V]
+        return self.lm_head(hidden).float()

@@ -1,0 +1,96 @@
+"""Checkpoint loaders: one interface over HF safetensors directories and GGUF files.
+
+A Checkpoint is an HF-style config dict plus an iterator of (HF parameter name, float32
+tensor in HF layout). Model code never sees which file format the weights came from.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from ...tokenizer import Tokenizer
+from . import gguf_llama, hf_dir
+from .errors import CheckpointError
+from .gguf_reader import GGUFFile
+from .gguf_tokenizer import gguf_tokenizer
+
+__all__ = ["Checkpoint", "CheckpointError", "GGUFCheckpoint", "HFCheckpoint", "open_checkpoint", "load_tokenizer"]
+
+
+@dataclass
+class Checkpoint:
+    """hf_config: an HF config.json dict; path: the directory or .gguf file."""
+
+    hf_config: dict
+    path: str
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF parameter name, float32 tensor in HF layout), one tensor in memory at a time."""
+        raise NotImplementedError
+
+    def weight_bytes(self) -> int:
+        """Bytes of the tensors as stored on disk (quantized size for GGUF)."""
+        raise NotImplementedError
+
+
+@dataclass
+class HFCheckpoint(Checkpoint):
+    files: list[str] = field(default_factory=list)
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return hf_dir.iter_safetensors(self.files)
+
+    def weight_bytes(self) -> int:
+        return sum(hf_dir.data_bytes(f) for f in self.files)
+
+
+@dataclass
+class GGUFCheckpoint(Checkpoint):
+    gguf: GGUFFile = field(default=None, repr=False)  # type: ignore[assignment]
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        cfg = self.hf_config
+        # llama.cpp permutes q/k rows per head; k uses the KV head count (GQA).
+        heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+        for gguf_name in self.gguf.tensors:
+            name = gguf_llama.hf_name(gguf_name)
+            if name is None:
+                continue
+            values = self.gguf.dequantize(gguf_name)
+            kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+            if kind in heads:
+                values = gguf_llama.unpermute_rope_rows(values, heads[kind])
+            yield name, torch.from_numpy(values)
+
+    def weight_bytes(self) -> int:
+        return sum(t.nbytes for t in self.gguf.tensors.values())
+
+
+def _is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def open_checkpoint(path: str) -> Checkpoint:
+    """Open a directory (config.json + safetensors) or a .gguf file; reads metadata only."""
+    if _is_gguf(path):
+        gguf = GGUFFile(path)
+        config = gguf_llama.hf_config(gguf)
+        for gguf_name in gguf.tensors:  # fail now, not halfway through loading
+            gguf_llama.hf_name(gguf_name)
+        return GGUFCheckpoint(hf_config=config, path=path, gguf=gguf)
+    if os.path.isdir(path):
+        return HFCheckpoint(hf_config=hf_dir.hf_config(path), path=path, files=hf_dir.safetensors_files(path))
+    raise CheckpointError(f"{path}: not a model directory or an existing .gguf file")
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer of a model directory (tokenizer.json) or a .gguf file (its metadata)."""
+    if _is_gguf(path):
+        return gguf_tokenizer(GGUFFile(path))
+    if os.path.isdir(path):
+        return hf_dir.hf_tokenizer(path)
+    raise CheckpointError(f"{path}: not a model directory or an existing .gguf file")

@@ -1,0 +1,155 @@
+"""GGUF (llama.cpp) conventions -> Hugging Face conventions, for the llama architecture.
+
+Three translations: metadata keys -> an HF ``config.json`` dict, tensor names -> HF
+parameter names, and q/k weights back from llama.cpp's RoPE row order to HF's.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import numpy as np
+
+from .errors import CheckpointError
+from .gguf_reader import GGUFFile
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+# Present in some llama GGUFs but not an HF parameter: llama-3 rope frequency factors
+# (HF derives them from rope_scaling) and the cached rotary table of old converters.
+_SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+
+
+def architecture(gguf: GGUFFile) -> str:
+    arch = gguf.metadata.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(
+            f"{gguf.path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    return arch
+
+
+def hf_name(gguf_name: str) -> Optional[str]:
+    """HF parameter name for a GGUF tensor name, None for tensors HF has no parameter for."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    if gguf_name in _SKIPPED or gguf_name.endswith(".attn_rot_embd"):
+        return None
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        raise CheckpointError(f"unknown llama GGUF tensor {gguf_name!r}")
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (works for a weight [rows, in] or a bias [rows]).
+
+    HF rotates the two halves of each head (rotate_half); llama.cpp rotates adjacent pairs.
+    Its converter therefore reorders each head's rows from (half, i) to (i, half): row
+    ``h*d + 2*i + j`` of the GGUF tensor is row ``h*d + j*d/2 + i`` of the HF one. Reshape
+    to (head, i, half) and swap back to (head, half, i).
+    """
+    rows = w.shape[0]
+    if num_heads <= 0 or rows % (2 * num_heads):
+        raise CheckpointError(f"cannot un-permute {rows} rows into {num_heads} heads of even size")
+    half = rows // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's converter permutation (HF order -> GGUF order); the inverse of the above."""
+    half = w.shape[0] // num_heads // 2
+    return w.reshape(num_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _get(md: dict[str, Any], key: str, path: str, kind: type = int, default: Any = ...) -> Any:
+    value = md.get(key, default)
+    if value is ...:
+        raise CheckpointError(f"{path}: missing metadata {key!r}")
+    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+        # ints are fine where floats are asked for (e.g. an integer rope base)
+        if not (kind is float and isinstance(value, int) and not isinstance(value, bool)):
+            raise CheckpointError(f"{path}: metadata {key!r} = {value!r} is not {kind.__name__}")
+    if kind is int and value is not None and value <= 0:
+        raise CheckpointError(f"{path}: metadata {key!r} = {value!r} must be positive")
+    return value
+
+
+def hf_config(gguf: GGUFFile) -> dict[str, Any]:
+    """An HF LlamaConfig-style dict from llama.* and tokenizer.* metadata."""
+    md, path, arch = gguf.metadata, gguf.path, architecture(gguf)
+    p = f"{arch}."
+    hidden = _get(md, p + "embedding_length", path)
+    num_heads = _get(md, p + "attention.head_count", path)
+    num_kv_heads = _get(md, p + "attention.head_count_kv", path, default=num_heads)
+    head_dim = _get(md, p + "attention.key_length", path, default=None) or hidden // num_heads
+    rope_dims = md.get(p + "rope.dimension_count", head_dim)
+    if rope_dims != head_dim:
+        raise CheckpointError(f"{path}: partial rotary ({rope_dims} of {head_dim} dims) is not supported")
+    if num_heads % num_kv_heads:
+        raise CheckpointError(f"{path}: {num_heads} heads is not a multiple of {num_kv_heads} KV heads")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": _get(md, p + "block_count", path),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": _get(md, p + "feed_forward_length", path),
+        "rms_norm_eps": _get(md, p + "attention.layer_norm_rms_epsilon", path, float, 1e-5),
+        "rope_theta": float(_get(md, p + "rope.freq_base", path, float, 10000.0)),
+        "rope_scaling": _rope_scaling(md, p, path),
+        "vocab_size": _vocab_size(gguf, p),
+        "tie_word_embeddings": "output.weight" not in gguf.tensors,
+        "max_position_embeddings": _get(md, p + "context_length", path, default=2048),
+        "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": md.get("tokenizer.ggml.padding_token_id"),
+        "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in gguf.tensors,
+        "hidden_act": "silu",
+    }
+
+
+def _rope_scaling(md: dict[str, Any], p: str, path: str) -> Optional[dict[str, Any]]:
+    kind = md.get(p + "rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = float(_get(md, p + "rope.scaling.factor", path, float))
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        original = _get(md, p + "rope.scaling.original_context_length", path)
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+    raise CheckpointError(f"{path}: unsupported rope scaling type {kind!r}")
+
+
+def _vocab_size(gguf: GGUFFile, p: str) -> int:
+    tokens = gguf.metadata.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and tokens:
+        return len(tokens)
+    if p + "vocab_size" in gguf.metadata:
+        return _get(gguf.metadata, p + "vocab_size", gguf.path)
+    embd = gguf.tensors.get("token_embd.weight")
+    if embd is None:
+        raise CheckpointError(f"{gguf.path}: cannot tell the vocabulary size (no tokens, no token_embd.weight)")
+    return embd.dims[-1]

@@ -1,0 +1,146 @@
+"""Build a Tokenizer from GGUF ``tokenizer.*`` metadata (byte-level BPE, "gpt2" model).
+
+The result must encode and decode exactly like transformers' GGUF tokenizer: a BPE over the
+GPT-2 byte alphabet, the split regex llama.cpp names in ``tokenizer.ggml.pre``, and the
+tokens typed CONTROL / USER_DEFINED added whole so they are never cut into pieces.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any, Optional
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+from ...tokenizer import Tokenizer
+from .errors import CheckpointError
+from .gguf_reader import GGUFFile
+
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
+
+# Split regexes of the BPE families whose llama.cpp `pre` name is not plain GPT-2.
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx", "pixtral"), _LLAMA3),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2),
+}
+
+
+@lru_cache(maxsize=1)
+def byte_alphabet() -> dict[int, str]:
+    """GPT-2's printable spelling of each byte: printable Latin-1 bytes stand for
+    themselves, the other 68 are shifted to code points 256 and up."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _spell(token: str, alphabet: set[str]) -> str:
+    """A vocabulary entry in byte-level spelling (entries already spelled are kept)."""
+    if set(token) <= alphabet:
+        return token
+    table = byte_alphabet()
+    return "".join(table[b] for b in token.encode("utf-8"))
+
+
+def _backend(tokens: list[str], merges: list[str], pre: Optional[str], path: str) -> BackendTokenizer:
+    alphabet = set(byte_alphabet().values())
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab[_spell(token, alphabet)] = index  # on a clash the later id wins, as in HF
+    pairs = []
+    for merge in merges:
+        parts = merge.split(" ")
+        if len(parts) != 2:
+            raise CheckpointError(f"{path}: bad BPE merge {merge!r}")
+        pairs.append((parts[0], parts[1]))
+    try:
+        bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False)
+    except Exception as e:  # tokenizers raises a bare Exception for merges outside the vocab
+        raise CheckpointError(f"{path}: invalid BPE vocabulary/merges: {e}") from None
+    backend = BackendTokenizer(bpe)
+    split = _SPLITS.get(pre or "")
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _add_special_tokens(backend: BackendTokenizer, tokens: list[str], types: list[int], named_ids: list[int]) -> None:
+    """CONTROL tokens (and the named bos/eos/unk/pad ones) become special added tokens,
+    USER_DEFINED ones plain added tokens, so text containing them keeps them whole.
+
+    A CONTROL token spelled outside the byte alphabet is a llama.cpp mislabel; adding it
+    would grow the vocabulary past the embedding, so it is left as a plain entry.
+    """
+    alphabet = set(byte_alphabet().values())
+    control = [t for t, k in zip(tokens, types) if k == TOKEN_CONTROL and set(t) <= alphabet]
+    control += [tokens[i] for i in named_ids if tokens[i] not in control]
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    vocab = backend.get_vocab(with_added_tokens=False)
+    user = [t for t, k in zip(tokens, types) if k == TOKEN_USER_DEFINED and t in vocab]
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+
+
+def _token_id(md: dict[str, Any], key: str, num_tokens: int, path: str) -> Optional[int]:
+    value = md.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < num_tokens:
+        raise CheckpointError(f"{path}: {key} = {value!r} is not a token id below {num_tokens}")
+    return value
+
+
+def _string_list(md: dict[str, Any], key: str, path: str, required: bool) -> list[str]:
+    value = md.get(key)
+    if value is None and not required:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value) or (required and not value):
+        raise CheckpointError(f"{path}: metadata {key!r} must be a non-empty list of strings")
+    return value
+
+
+def gguf_tokenizer(gguf: GGUFFile) -> Tokenizer:
+    md, path = gguf.metadata, gguf.path
+    kind = md.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise CheckpointError(
+            f"{path}: GGUF tokenizer model {kind!r} is not supported yet (only byte-level BPE 'gpt2'; "
+            "SentencePiece 'llama' tokenizers are planned)"
+        )
+    tokens = _string_list(md, "tokenizer.ggml.tokens", path, required=True)
+    merges = _string_list(md, "tokenizer.ggml.merges", path, required=True)
+    types = md.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
+    if not isinstance(types, list) or len(types) != len(tokens):
+        raise CheckpointError(f"{path}: tokenizer.ggml.token_type does not match the {len(tokens)} tokens")
+    ids = {name: _token_id(md, f"tokenizer.ggml.{key}", len(tokens), path)
+           for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"),
+                             ("unk", "unknown_token_id"), ("pad", "padding_token_id"))}
+    backend = _backend(tokens, merges, md.get("tokenizer.ggml.pre"), path)
+    _add_special_tokens(backend, tokens, types, [i for i in ids.values() if i is not None])
+    template = md.get("tokenizer.chat_template")
+    return Tokenizer(
+        backend,
+        bos_token_id=ids["bos"],
+        eos_token_ids=[ids["eos"]] if ids["eos"] is not None else [],
+        pad_token_id=ids["pad"],
+        unk_token_id=ids["unk"],
+        add_bos_token=bool(md.get("tokenizer.ggml.add_bos_token", False)),
+        add_eos_token=bool(md.get("tokenizer.ggml.add_eos_token", False)),
+        chat_template=template if isinstance(template, str) else None,
+    )

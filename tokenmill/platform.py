@@ -1,0 +1,32 @@
+"""Device and dtype choice, made once at engine start."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """'auto' is float32 on CPU (bf16 GEMM is ~60x slower there without AVX-512) and bfloat16
+    on CUDA."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+
+
+def set_num_threads(num_threads: Optional[int]) -> int:
+    """Torch intra-op threads; default = every core this process may use."""
+    if num_threads is None:
+        try:
+            num_threads = len(os.sched_getaffinity(0))
+        except AttributeError:
+            num_threads = os.cpu_count() or 1
+    if num_threads < 1:
+        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+    torch.set_num_threads(num_threads)
+    return num_threads

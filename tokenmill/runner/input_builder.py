@@ -1,0 +1,100 @@
+"""SchedulerOutput + runner request states -> ModelInput tensors (a pure function)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from tokenmill.layers.attention.metadata import AttentionMetadata
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class RunnerRequestState:
+    """What the runner keeps per request between steps."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    seed: Optional[int]
+    generator: Optional[torch.Generator] = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+
+
+@dataclass
+class PromptLogprobsSlice:
+    """Rows of the hidden states whose next token is a prompt token (for prompt_logprobs)."""
+
+    req_id: str
+    hidden_indices: list[int]     # into the flat [T] step
+    next_token_ids: list[int]
+    first_position: int           # position of the first row's token
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor            # [T] int64
+    positions: torch.Tensor            # [T] int64
+    attn_meta: AttentionMetadata
+    req_ids: list[str]                 # scheduled requests, batch order
+    sample_req_ids: list[str]          # those that sample a token this step
+    logits_indices: torch.Tensor       # [num_sample] int64: their last token's row
+    prompt_logprobs: list[PromptLogprobsSlice] = field(default_factory=list)
+
+
+def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, RunnerRequestState],
+                      block_size: int, device: torch.device) -> ModelInput:
+    input_ids: list[int] = []
+    positions: list[int] = []
+    query_lens, seq_lens, block_tables = [], [], []
+    sample_req_ids, logits_indices, prompt_slices = [], [], []
+    req_ids = list(num_scheduled_tokens)
+    for req_id in req_ids:
+        state, n = states[req_id], num_scheduled_tokens[req_id]
+        start, end = state.num_computed_tokens, state.num_computed_tokens + n
+        offset = len(input_ids)
+        input_ids.extend(state.tokens(start, end))
+        positions.extend(range(start, end))
+        query_lens.append(n)
+        seq_lens.append(end)
+        block_tables.append(state.block_ids)
+        if end == state.num_tokens:   # reached the newest token: sample the next one
+            sample_req_ids.append(req_id)
+            logits_indices.append(offset + n - 1)
+        if state.params.prompt_logprobs is not None:
+            prompt_slice = _prompt_logprobs_slice(state, start, end, offset)
+            if prompt_slice is not None:
+                prompt_slices.append(prompt_slice)
+    meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size, device)
+    return ModelInput(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        attn_meta=meta, req_ids=req_ids, sample_req_ids=sample_req_ids,
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        prompt_logprobs=prompt_slices)
+
+
+def _prompt_logprobs_slice(state: RunnerRequestState, start: int, end: int,
+                           offset: int) -> Optional[PromptLogprobsSlice]:
+    """Rows at positions p in [start, end) with p + 1 still inside the prompt."""
+    last = min(end, len(state.prompt_token_ids) - 1)
+    if start >= last:
+        return None
+    return PromptLogprobsSlice(
+        req_id=state.req_id,
+        hidden_indices=[offset + p - start for p in range(start, last)],
+        next_token_ids=state.prompt_token_ids[start + 1:last + 1],
+        first_position=start)

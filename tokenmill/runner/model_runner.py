@@ -1,0 +1,128 @@
+"""Model runner: owns the model, the paged KV tensors and per-request runner state; turns a
+SchedulerOutput into sampled tokens (forward -> logits -> sample)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from tokenmill.layers.attention import get_attention_backend
+from tokenmill.outputs import Logprob, ModelRunnerOutput
+from tokenmill.runner.input_builder import ModelInput, RunnerRequestState, build_model_input
+from tokenmill.runner.kv_tensors import allocate_kv_caches
+from tokenmill.sample.metadata import RowSamplingState, build_sampling_metadata, make_request_generator
+from tokenmill.sample.sampler import Sampler, compute_logprobs
+from tokenmill.sched.output import SchedulerOutput
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+def step_seed(seed: int, num_output_tokens: int) -> int:
+    """Seed of a seeded request's draw at one output position: a pure function of (seed,
+    position), so the draw is the same whatever the batch and after preemption."""
+    return (seed * 6364136223846793005 + num_output_tokens * _SEED_MIX + 1442695040888963407) % (2**63)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
+                 seed: int = 0) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        a = model.args
+        self.vocab_size = a.vocab_size
+        self.kv_caches = allocate_kv_caches(a.num_hidden_layers, num_blocks, block_size,
+                                            a.num_key_value_heads, a.head_dim, dtype, device)
+        self.backend = get_attention_backend(attention_backend)
+        self.sampler = Sampler()
+        self.shared_generator = torch.Generator(device=device)
+        self.shared_generator.manual_seed(seed)
+        self.states: dict[str, RunnerRequestState] = {}
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    # -- state ------------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.states.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            generator = None
+            if new.generator_seed is not None:
+                generator = make_request_generator(new.generator_seed, self.device)
+            self.states[new.req_id] = RunnerRequestState(
+                req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
+                output_token_ids=list(new.output_token_ids), params=new.sampling_params,
+                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
+                seed=new.generator_seed, generator=generator)
+        for cached in so.scheduled_cached_reqs:
+            state = self.states[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # -- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], [])
+        inp = build_model_input(so.num_scheduled_tokens, self.states, self.block_size, self.device)
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta, self.backend)
+        out = ModelRunnerOutput(req_ids=inp.req_ids, sampled_token_ids=[[] for _ in inp.req_ids])
+        self._prompt_logprobs(hidden, inp, out)
+        if inp.sample_req_ids:
+            logits = self.model.compute_logits(hidden[inp.logits_indices])
+            self._sample(logits, inp, out)
+        for req_id, n in so.num_scheduled_tokens.items():
+            self.states[req_id].num_computed_tokens += n
+        return out
+
+    def _sample(self, logits: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput) -> None:
+        # logits [num_sample, V]. A row with NaN/inf logits fails only its own request.
+        bad = ~torch.isfinite(logits).all(dim=-1)
+        rows = []
+        for req_id in inp.sample_req_ids:
+            state = self.states[req_id]
+            if state.generator is not None:
+                state.generator.manual_seed(step_seed(state.seed, len(state.output_token_ids)))
+            rows.append(RowSamplingState(state.params, state.prompt_token_ids,
+                                         state.output_token_ids, state.generator))
+        safe_logits = torch.where(bad.unsqueeze(-1), torch.zeros_like(logits), logits)
+        meta = build_sampling_metadata(rows, self.vocab_size, self.device, self.shared_generator)
+        result = self.sampler(safe_logits, meta)
+        sampled = result.sampled_token_ids.tolist()
+        lp = result.logprobs.tolists() if result.logprobs is not None else None
+        index = {req_id: i for i, req_id in enumerate(inp.req_ids)}
+        for row, req_id in enumerate(inp.sample_req_ids):
+            if bad[row]:
+                out.errors[req_id] = "the model produced non-finite logits (NaN or inf)"
+                continue
+            state = self.states[req_id]
+            state.output_token_ids.append(sampled[row])
+            out.sampled_token_ids[index[req_id]] = [sampled[row]]
+            if state.params.logprobs is not None and lp is not None:
+                out.logprobs[req_id] = [_position_logprobs(lp, row, state.params.logprobs)]
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput) -> None:
+        for sl in inp.prompt_logprobs:
+            num_top = self.states[sl.req_id].params.prompt_logprobs
+            idx = torch.tensor(sl.hidden_indices, dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden[idx])
+            targets = torch.tensor(sl.next_token_ids, dtype=torch.int64, device=self.device)
+            lp = compute_logprobs(logits, targets, num_top).tolists()
+            entries = [_position_logprobs(lp, r, num_top) for r in range(len(sl.next_token_ids))]
+            # Entry k describes the prompt token at position first_position + 1 + k.
+            out.prompt_logprobs[sl.req_id] = (sl.first_position + 1, entries)
+
+
+def _position_logprobs(lp, row: int, num_top: int) -> dict:
+    """{token_id: Logprob} for the chosen token plus the top ``num_top`` of one row."""
+    token_ids, logprobs, ranks = lp
+    entry = {token_ids[row][0]: Logprob(logprobs[row][0], ranks[row])}
+    for k in range(1, num_top + 1):
+        tok = token_ids[row][k]
+        if tok not in entry:
+            entry[tok] = Logprob(logprobs[row][k], k)
+    return entry

@@ -1,0 +1,93 @@
+"""Sampler: processed logits -> one token per row, plus logprobs when asked.
+
+Order: logit_bias -> min_tokens -> repetition penalty -> presence/frequency penalties; then
+greedy rows take the argmax, random rows go through temperature -> top-k -> top-p -> min-p and
+draw one sample.
+
+Sampling uses the exponential-race trick: argmax(p / q) with q ~ Exp(1) i.i.d. picks token i with
+probability p_i. It needs exactly one draw of V noise values per row and step, which is what
+makes a seeded request reproducible whatever batch it is in or row it sits at.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from tokenmill.sample.filters import apply_min_p, apply_top_k_top_p
+from tokenmill.sample.logprobs import LogprobsTensors, compute_logprobs
+from tokenmill.sample.metadata import SamplingMetadata
+from tokenmill.sample.penalties import apply_logits_processors
+
+__all__ = ["LogprobsTensors", "SamplerOutput", "Sampler", "compute_logprobs", "filtered_probs"]
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: Optional[LogprobsTensors]  # only when some row asked for logprobs (K = max over rows)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        # logits [B, V] float32, raw model output; left untouched (logprobs read it).
+        logits = logits.float()
+        processed = apply_logits_processors(logits, meta)
+        if meta.all_greedy:
+            sampled = processed.argmax(dim=-1)
+        else:
+            sampled = _sample_mixed(processed, meta)
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            logprobs = compute_logprobs(logits, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+
+def filtered_probs(random_logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Sampling distribution [R, V] of the random rows: temperature, top-k, top-p, min-p.
+
+    ``random_logits`` [R, V] are the processed logits of ``meta.random_rows`` (in that order).
+    Also the target distribution a rejection sampler needs.
+    """
+    scaled = random_logits / meta.temperature
+    scaled = apply_top_k_top_p(scaled, meta.top_k, meta.top_p)
+    if meta.min_p is not None:
+        scaled = apply_min_p(scaled, meta.min_p)
+    return scaled.softmax(dim=-1)
+
+
+def _sample_mixed(processed: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    random_logits = processed if meta.all_random else processed[meta.random_rows]
+    random_tokens = sample_from_probs(filtered_probs(random_logits, meta), meta)
+    if meta.all_random:
+        return random_tokens
+    sampled = processed.argmax(dim=-1)  # greedy rows; random rows are overwritten next
+    sampled[meta.random_rows] = random_tokens
+    return sampled
+
+
+def sample_from_probs(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """One token per row of probs [R, V], using each row's generator as described in meta."""
+    noise = _exponential_noise(meta, probs.shape, probs.device)
+    # Exp(1) can be exactly 0 (u == 0); the clamp keeps p / q finite-or-inf but never NaN.
+    scores = probs / noise.clamp_min_(torch.finfo(torch.float32).tiny)
+    # A filtered token (p == 0) must never win, not even when every score underflows.
+    scores.masked_fill_(probs <= 0, -1.0)
+    return scores.argmax(dim=-1)
+
+
+def _exponential_noise(meta: SamplingMetadata, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """[R, V] Exp(1) noise: unseeded rows share one draw, each seeded row draws V values alone."""
+    num_rows, vocab = shape
+    noise = torch.empty(num_rows, vocab, dtype=torch.float32, device=device)
+    unseeded = meta.unseeded_random
+    if unseeded is not None:
+        if unseeded.numel() == num_rows:
+            noise.exponential_(generator=meta.shared_generator)
+        else:
+            shared = torch.empty(unseeded.numel(), vocab, dtype=torch.float32, device=device)
+            noise[unseeded] = shared.exponential_(generator=meta.shared_generator)
+    for position, generator in meta.seeded_random:
+        noise[position].exponential_(generator=generator)
+    return noise

@@ -1,0 +1,42 @@
+"""What the scheduler hands to the model runner for one step (no torch)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner has not seen yet (or is seeing again after preemption): sent in full."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator_seed: int | None       # per-request seed (already offset for the n-th sample)
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the runner already holds: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]         # req_id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str] = field(default_factory=set)    # runner may drop their state
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0

@@ -1,0 +1,241 @@
+"""Continuous-batching scheduler (pure Python, no torch).
+
+Every step hands out a token budget (``max_num_batched_tokens``) over at most ``max_num_seqs``
+running requests. Running requests are served first, in policy order; each gets what it still
+lacks (``num_tokens - num_computed_tokens``: a decode token or the rest of a prefill, chunked
+to the budget). If the pool is short, the lowest-ranked running request (see
+``policy.pick_victim``) is preempted by recompute: its blocks are freed and it returns to the
+waiting queue with ``num_computed_tokens = 0``. Waiting requests are admitted in policy order
+while budget, seats and blocks last; prefix-cache hits advance them for free.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.kv.kv_cache_manager import KVCacheManager
+from tokenmill.outputs import EngineCoreOutput, ModelRunnerOutput
+from tokenmill.request import Request, RequestStatus
+from tokenmill.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenmill.sched.policy import RequestQueue, pick_victim
+
+
+class Scheduler:
+    def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_kv_blocks: int, max_model_len: int) -> None:
+        self.config = sched_config
+        self.max_model_len = max_model_len
+        self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size,
+                                 cache_config.enable_prefix_caching)
+        self.waiting = RequestQueue(sched_config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._known_to_runner: set[str] = set()
+        self._finished_ids: set[str] = set()
+        self._leaders: dict[str, Request] = {}   # parent id -> sample 0 of an n > 1 request
+        self.recently_finished: dict[str, Request] = {}   # cleared by the engine each step
+        self.num_preemptions = 0
+
+    # -- admission ------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Admit a request or raise ValueError if it can never run."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        worst_case = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        needed = self.kv.num_blocks_needed(worst_case)
+        if needed > self.kv.num_total_blocks:
+            raise ValueError(
+                f"request needs up to {needed} KV blocks ({request.num_prompt_tokens} prompt + "
+                f"{request.max_tokens} max_tokens) but the KV cache holds only "
+                f"{self.kv.num_total_blocks} blocks of {self.kv.block_size} tokens; lower max_tokens "
+                f"or give the cache more memory")
+        self.requests[request.request_id] = request
+        if request.sample_index == 0 and request.sampling_params.n > 1:
+            self._leaders[request.parent_id] = request
+        self.waiting.add(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted: set[str] = set()
+
+        self.running.sort(key=self.waiting.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            new_block_ids = self.kv.allocate_slots(req, num_new)
+            if new_block_ids is None:
+                victim = pick_victim(self.running[i:], "fcfs")  # running is in policy order
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                continue   # retry req (unless it was the victim: the list got shorter)
+            budget -= num_new
+            num_scheduled[req.request_id] = num_new
+            cached_reqs.append(self._request_data(req, new_block_ids, new_reqs))
+            i += 1
+        cached_reqs = [c for c in cached_reqs if c is not None]
+
+        if not preempted:
+            budget = self._admit_waiting(budget, num_scheduled, new_reqs)
+
+        out = SchedulerOutput(
+            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=self._finished_ids, preempted_req_ids=preempted)
+        self._finished_ids = set()
+        return out
+
+    def _request_data(self, req: Request, new_block_ids: list[int],
+                      new_reqs: list[NewRequestData]) -> Optional[CachedRequestData]:
+        if req.request_id in self._known_to_runner:
+            return CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens)
+        new_reqs.append(NewRequestData(
+            req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=list(req.output_token_ids), sampling_params=req.sampling_params,
+            block_ids=self.kv.block_ids(req.request_id),
+            num_computed_tokens=req.num_computed_tokens, generator_seed=_sample_seed(req)))
+        self._known_to_runner.add(req.request_id)
+        return None
+
+    def _admit_waiting(self, budget: int, num_scheduled: dict[str, int],
+                       new_reqs: list[NewRequestData]) -> int:
+        for req in self.waiting.ordered():
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if self._held_back(req):
+                continue
+            cached_blocks, num_cached = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_cached, budget)
+            if self.kv.allocate_slots(req, num_new, cached_blocks) is None:
+                break   # head of line waits for blocks; later ones must not starve it
+            self.waiting.remove(req)
+            req.num_computed_tokens = num_cached
+            if req.num_preemptions == 0 or req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            budget -= num_new
+            num_scheduled[req.request_id] = num_new
+            self._request_data(req, [], new_reqs)
+        return budget
+
+    def _held_back(self, req: Request) -> bool:
+        """Samples 1..n-1 of an n > 1 request wait until sample 0 has computed the prompt, so
+        they share its KV blocks through the prefix cache instead of recomputing them."""
+        if req.sample_index == 0 or not self.kv.enable_caching:
+            return False
+        leader = self._leaders.get(req.parent_id)
+        return (leader is not None and not leader.is_finished
+                and leader.num_computed_tokens < leader.num_prompt_tokens - 1)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        self._known_to_runner.discard(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(req)
+
+    # -- results ---------------------------------------------------------------------------
+    def update_from_output(self, sched_out: SchedulerOutput,
+                           runner_out: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs = []
+        sampled = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids))
+        for req_id, num_new in sched_out.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue
+            req.num_computed_tokens += num_new
+            out = EngineCoreOutput(req_id, [])
+            out.new_prompt_logprobs = runner_out.prompt_logprobs.get(req_id, [])
+            error = runner_out.errors.get(req_id)
+            if error is not None:
+                req.error = out.error = error
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+            else:
+                self.kv.cache_computed_blocks(req)
+                self._append_tokens(req, sampled.get(req_id, []), out,
+                                    runner_out.logprobs.get(req_id, []))
+            out.finished = req.is_finished
+            out.finish_reason = req.status.finish_reason
+            out.stop_reason = req.stop_reason
+            if out.new_token_ids or out.finished or out.new_prompt_logprobs:
+                outputs.append(out)
+        return outputs
+
+    def _append_tokens(self, req: Request, token_ids: list[int], out: EngineCoreOutput,
+                       logprobs: list) -> None:
+        for k, token in enumerate(token_ids):
+            req.append_output_token(token)
+            out.new_token_ids.append(token)
+            if k < len(logprobs):
+                out.new_logprobs.append(logprobs[k])
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status)
+                break
+
+    def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens and token in params.all_stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_requests(self, req_ids, status: RequestStatus, stop_reason=None) -> None:
+        """Finish from outside a step (abort, stop string found by the detokenizer)."""
+        for req_id in ([req_ids] if isinstance(req_ids, str) else req_ids):
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue
+            if stop_reason is not None:
+                req.stop_reason = stop_reason
+            self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        req.finished_time = time.monotonic()
+        if req in self.running:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.kv.free(req.request_id)
+        self._known_to_runner.discard(req.request_id)
+        self._finished_ids.add(req.request_id)
+        del self.requests[req.request_id]
+        self.recently_finished[req.request_id] = req
+        if self._leaders.get(req.parent_id) is req:
+            del self._leaders[req.parent_id]
+
+
+def _sample_seed(req: Request) -> Optional[int]:
+    seed = req.sampling_params.seed
+    if seed is None:
+        return None
+    return (seed + req.sample_index) % (2**63)
