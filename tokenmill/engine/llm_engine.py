@@ -79,6 +79,7 @@ class LLMEngine:
             if req is not None:
                 self.stats.on_finished(req)
         self.output_processor.drop(request_id)
+        self._release_if_idle()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -94,7 +95,12 @@ class LLMEngine:
         for child_id, stop_str in stops:
             self.scheduler.finish_requests(child_id, RequestStatus.FINISHED_STOPPED, stop_str)
         self._record(core_outputs, live, time.monotonic() - t0)
+        self._release_if_idle()
         return results
+
+    def _release_if_idle(self) -> None:
+        if not self.scheduler.has_unfinished_requests():
+            self.runner.release(self.scheduler.take_finished_ids())
 
     def _request_or_none(self, req_id: str):
         return self.scheduler.requests.get(req_id) or self.scheduler.recently_finished.get(req_id)

@@ -44,6 +44,10 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
 
+    def release(self, req_ids) -> None:
+        for req_id in req_ids:
+            self.states.pop(req_id, None)
+
     # -- state ------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:

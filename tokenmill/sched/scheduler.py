@@ -64,6 +64,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def take_finished_ids(self) -> set[str]:
+        """Ids finished since the last schedule(); the runner drops their state (used when
+        the engine goes idle, so no stale state waits for a next step)."""
+        ids, self._finished_ids = self._finished_ids, set()
+        return ids
+
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens

@@ -40,16 +40,24 @@ def _make_inputs(runs: list[tuple[int, int]], seed: int = 0) -> tuple:
     return query, key, value, k_cache, v_cache, meta
 
 
-def _median_ms(backend: AttentionBackend, inputs: tuple, repeats: int, warmup: int) -> float:
-    scale = HEAD_DIM ** -0.5
-    times = []
+def _time_ms(backend: AttentionBackend, inputs: tuple) -> float:
+    start = time.perf_counter()
+    backend.forward(*inputs, HEAD_DIM ** -0.5)
+    return (time.perf_counter() - start) * 1e3
+
+
+def _race(ref: AttentionBackend, cpu: AttentionBackend, inputs: tuple,
+          repeats: int, warmup: int) -> tuple[float, float]:
+    """Median ms of each backend. Runs alternate so that load from other processes on a
+    shared machine hits both sides alike instead of skewing one of them."""
+    ref_ms, cpu_ms = [], []
     with torch.inference_mode():
         for i in range(warmup + repeats):
-            start = time.perf_counter()
-            backend.forward(*inputs, scale)
+            r, c = _time_ms(ref, inputs), _time_ms(cpu, inputs)
             if i >= warmup:
-                times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+                ref_ms.append(r)
+                cpu_ms.append(c)
+    return statistics.median(ref_ms), statistics.median(cpu_ms)
 
 
 def _cases() -> dict[str, list[tuple[int, int]]]:
@@ -63,7 +71,7 @@ def _cases() -> dict[str, list[tuple[int, int]]]:
     }
 
 
-def run_attention_bench(repeats: int = 7, warmup: int = 2) -> dict[str, float]:
+def run_attention_bench(repeats: int = 9, warmup: int = 2) -> dict[str, float]:
     """Print and return the reference/cpu median-time ratio per case."""
     ref, cpu = get_attention_backend("reference"), get_attention_backend("cpu")
     ratios = {}
@@ -71,8 +79,7 @@ def run_attention_bench(repeats: int = 7, warmup: int = 2) -> dict[str, float]:
           f"head_dim={HEAD_DIM} block_size={BLOCK_SIZE}  median of {repeats}")
     for name, runs in _cases().items():
         inputs = _make_inputs(runs)
-        ref_ms = _median_ms(ref, inputs, repeats, warmup)
-        cpu_ms = _median_ms(cpu, inputs, repeats, warmup)
+        ref_ms, cpu_ms = _race(ref, cpu, inputs, repeats, warmup)
         ratios[name] = ref_ms / cpu_ms
         print(f"{name:32s} reference {ref_ms:8.2f} ms   cpu {cpu_ms:8.2f} ms   "
               f"ratio {ratios[name]:5.2f}x")
