@@ -83,7 +83,11 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        text = self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in ids]
+        if ids and min(ids) < 0:
+            raise ValueError(f"negative token id {min(ids)}")
+        # ids past the vocabulary (padded embedding rows) decode to nothing, as in HF
+        text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         if self._clean_up:
             for old, new in _CLEANUP:
                 text = text.replace(old, new)

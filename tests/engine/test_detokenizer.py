@@ -190,3 +190,16 @@ def test_special_tokens_skipped_or_kept(tok):
         detok = IncrementalDetokenizer(tok, SamplingParams(skip_special_tokens=skip), [])
         deltas, _ = stream(detok, ids)
         assert detok.output_text == tok.decode(ids, skip_special_tokens=skip) == "".join(deltas)
+
+
+def test_long_undecodable_run_keeps_window_bounded(tok):
+    # A lone UTF-8 continuation byte never completes a character; 40 of them in a row must not
+    # make every step re-decode the whole run.
+    lone = next(i for i in range(tok.vocab_size)
+                if tok.decode([i]) == "\ufffd" and tok.decode([i, i, i, i, i]) == "\ufffd" * 5)
+    ids = [lone] * 40 + tok.encode(" ok")
+    detok = IncrementalDetokenizer(tok, SamplingParams(), [])
+    tok.max_decode_len = 0
+    deltas, _ = stream(detok, ids)
+    assert tok.max_decode_len <= 2 * (16 + 1)
+    assert detok.output_text == "".join(deltas) == tok.decode(ids)

@@ -9,7 +9,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 
-from tokenmill.models.loader import load_tokenizer, open_checkpoint  # noqa: E402
+from tokenmill.models.loader import CheckpointError, load_tokenizer, open_checkpoint  # noqa: E402
 from tokenmill.models.loader.gguf_llama import permute_rope_rows, unpermute_rope_rows  # noqa: E402
 from tokenmill.models.loader.gguf_reader import GGUFFile  # noqa: E402
 
@@ -156,3 +156,60 @@ def test_tiny_tokenizer_matches_transformers(tiny_gguf):
         ids = ours.encode(text)
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
         assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False)
+
+
+def test_every_metadata_value_type(tmp_path):
+    T = gguf.GGUFValueType
+    values = {"u8": (255, T.UINT8), "i8": (-128, T.INT8), "u16": (65535, T.UINT16), "i16": (-32768, T.INT16),
+              "u32": (2**32 - 1, T.UINT32), "i32": (-2**31, T.INT32), "f32": (1.5, T.FLOAT32), "b": (True, T.BOOL),
+              "s": ("héllo ✓", T.STRING), "u64": (2**64 - 1, T.UINT64), "i64": (-2**63, T.INT64), "f64": (0.1, T.FLOAT64)}
+    path = str(tmp_path / "kv.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    for key, (value, vtype) in values.items():
+        w.add_key_value(key, value, vtype)
+    w.add_array("arr_f", [0.5, -2.0]); w.add_array("arr_b", [True, False]); w.add_array("arr_s", ["a", "", "ü"])  # noqa: E702
+    w.add_array("nested", [[1, 2], [3]])
+    w.add_custom_alignment(64)
+    w.add_tensor("t", np.arange(32, dtype=np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()  # noqa: E702
+    md = GGUFFile(path).metadata
+    for key, (value, _) in values.items():
+        assert md[key] == value, key
+    assert md["arr_f"] == [0.5, -2.0] and md["arr_b"] == [True, False] and md["arr_s"] == ["a", "", "ü"]
+    assert md["nested"] == [[1, 2], [3]]
+    f = GGUFFile(path)
+    assert f.alignment == 64 and f.data_offset % 64 == 0
+    np.testing.assert_array_equal(f.dequantize("t"), np.arange(32, dtype=np.float32))
+
+
+def _rewrite(src: str, dst: str, drop=(), **kv_overrides) -> str:
+    """Copy a GGUF through GGUFReader -> GGUFWriter, dropping tensors / overriding u32 KVs."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(dst, "llama")
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = kv_overrides.get(key, field.contents())
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_array(key, value)
+        else:
+            w.add_key_value(key, value, vtype)
+    for t in r.tensors:
+        if t.name not in drop:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()  # noqa: E702
+    return dst
+
+
+@pytest.mark.parametrize("drop,overrides,message", [
+    (("blk.1.ffn_up.weight",), {}, "missing tensors: model.layers.1.mlp.up_proj.weight"),
+    ((), {"llama.block_count": 1}, "blk.1"),
+    ((), {"llama.block_count": 10**9}, "cannot hold"),
+    ((), {"llama.feed_forward_length": 128}, "blk.0.ffn_gate.weight"),
+    ((), {"llama.attention.head_count_kv": 4}, "blk.0.attn_k.weight"),
+])
+def test_tensors_inconsistent_with_config(tiny_gguf, tmp_path, drop, overrides, message):
+    path = _rewrite(tiny_gguf[0], str(tmp_path / "bad.gguf"), drop, **overrides)
+    with pytest.raises(CheckpointError, match=message):
+        open_checkpoint(path)

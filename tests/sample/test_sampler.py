@@ -151,42 +151,46 @@ def test_never_samples_zero_probability_with_extreme_logits():
     assert (Sampler()(logits, meta).sampled_token_ids == 17).all()
 
 
-def run_steps(rows, logits_per_step):
+def run_steps(rows, logits_per_step, device=CPU):
     sampler, out = Sampler(), []
     for logits in logits_per_step:
-        meta = build_sampling_metadata(rows, logits.shape[1], CPU)
-        out.append(sampler(logits, meta).sampled_token_ids.tolist())
+        meta = build_sampling_metadata(rows, logits.shape[1], device)
+        out.append(sampler(logits.to(device), meta).sampled_token_ids.tolist())
     return out
 
 
-def test_seeded_row_is_batch_and_position_invariant():
+def check_seeded_invariance(device):
     vocab, steps = 300, 6
     gen = torch.Generator().manual_seed(9)
     target_logits = [torch.randn(vocab, generator=gen) for _ in range(steps)]
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
 
-    alone = run_steps([RowSamplingState(params, [1], [], make_request_generator(1234, CPU))],
-                      [lg.unsqueeze(0) for lg in target_logits])
-    alone = [step[0] for step in alone]
+    def seeded_row(p, seed):
+        return RowSamplingState(p, [1], [], make_request_generator(seed, device) if seed is not None else None)
 
+    alone = run_steps([seeded_row(params, 1234)], [lg.unsqueeze(0) for lg in target_logits], device)
+    alone = [step[0] for step in alone]
     rng = random.Random(3)
     for position, batch in [(0, 4), (3, 5), (6, 7)]:
-        rows, seeds = [], []
-        for i in range(batch):
-            if i == position:
-                rows.append(RowSamplingState(params, [1], [], make_request_generator(1234, CPU)))
-                continue
-            other = random_params(rng, vocab)
-            seed = rng.choice([None, 77 + i])
-            rows.append(RowSamplingState(other.clone(seed=seed), [2], [],
-                                         make_request_generator(seed, CPU) if seed is not None else None))
+        rows = [seeded_row(params, 1234) if i == position else
+                seeded_row(random_params(rng, vocab), rng.choice([None, 77 + i])) for i in range(batch)]
         logits = []
         for lg in target_logits:
             step = torch.randn(batch, vocab, generator=gen)
             step[position] = lg
             logits.append(step)
-        got = [step[position] for step in run_steps(rows, logits)]
+        got = [step[position] for step in run_steps(rows, logits, device)]
         assert got == alone, (position, batch)
+
+
+def test_seeded_row_is_batch_and_position_invariant():
+    check_seeded_invariance(CPU)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_seeded_row_is_batch_and_position_invariant_cuda():
+    check_seeded_invariance(torch.device("cuda"))
 
 
 def test_different_seeds_differ_and_same_seed_repeats():

@@ -72,7 +72,7 @@ class IncrementalDetokenizer:
             return None
         old_len = len(self._text)
         self._tokens.extend(ids)
-        self._decode_window()
+        self._decode_window(num_new=len(ids))
         return self._find_stop(old_len)
 
     def get_delta(self, finished: bool) -> str:
@@ -93,11 +93,13 @@ class IncrementalDetokenizer:
             return ""
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
-    def _decode_window(self) -> None:
+    def _decode_window(self, num_new: int) -> None:
         prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
         new_text = self._decode(self._tokens[self._prefix_offset:])[len(prefix_text):]
-        # Past the limit, give up waiting (see _MAX_PENDING_TOKENS) and commit what there is.
-        forced = len(self._tokens) - self._read_offset >= _MAX_PENDING_TOKENS
+        # Too many tokens carried over undecodable from earlier steps: give up waiting (see
+        # _MAX_PENDING_TOKENS) and commit. Tokens added now never count, so a big speculative
+        # batch ending mid-character still waits for its completion.
+        forced = len(self._tokens) - self._read_offset - num_new >= _MAX_PENDING_TOKENS
         complete = forced or not new_text.endswith(_REPLACEMENT)
         stable = new_text if complete else new_text.rstrip(_REPLACEMENT)
         if len(stable) > self._window_committed:

