@@ -73,6 +73,52 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
+_SPEC_METHODS = ("ngram", "draft_model", "layer_skip", "medusa", "eagle")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (see tokenmill/spec). ``model``: draft checkpoint (draft_model) or
+    head weights (medusa / eagle; None = random heads, for exactness tests). ``num_layers``:
+    target layers a layer_skip draft runs. ``adaptive``: pick k per step (0..k) from measured
+    cost and acceptance instead of always k."""
+
+    method: str
+    num_speculative_tokens: int = 4
+    model: Optional[str] = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    num_layers: Optional[int] = None
+    adaptive: bool = True
+    seed: int = 0                          # random medusa / eagle heads
+
+    def __post_init__(self) -> None:
+        if self.method not in _SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {_SPEC_METHODS}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= 32:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, 32], got {k!r}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min ({self.prompt_lookup_min}) <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative method 'draft_model' needs a draft model (model=...)")
+        if self.num_layers is not None and (not isinstance(self.num_layers, int) or self.num_layers < 1):
+            raise ValueError(f"num_layers must be a positive integer, got {self.num_layers!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpeculativeConfig":
+        """vLLM spelling: {"method": ..., "num_speculative_tokens": k, "model": ...}."""
+        d = dict(d)
+        if "method" not in d:   # vLLM infers the method from the other keys
+            d["method"] = "draft_model" if d.get("model") else "ngram"
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -80,3 +126,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     num_threads: Optional[int] = None      # torch intra-op threads; None = number of cores
     cache_dir: Optional[str] = None        # where named models are fetched to
+    speculative: Optional[SpeculativeConfig] = None

@@ -22,13 +22,16 @@ PositionLogprobs = dict[int, Logprob]
 @dataclass
 class ModelRunnerOutput:
     """Per scheduled request (in ``req_ids`` order): sampled tokens (empty for a prefill chunk
-    that does not reach the end of the sequence), optional logprobs, optional errors."""
+    that does not reach the end of the sequence; 1..k+1 when k drafts were verified), optional
+    logprobs, optional errors."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[Optional[PositionLogprobs]]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    # req_id -> draft tokens proposed for the next step (speculative decoding)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

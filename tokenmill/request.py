@@ -57,6 +57,9 @@ class Request:
         self.parent_id = parent_id or request_id  # user-visible id shared by the n samples
         self.sample_index = sample_index
         self.output_token_ids: list[int] = []
+        # Draft tokens proposed for the next step: scheduled after the newest token, verified
+        # by the target, then replaced (never appended to the output as such).
+        self.spec_token_ids: list[int] = []
         self.num_computed_tokens = 0              # tokens whose KV is in the cache
         self.num_cached_tokens = 0                # of the prompt, served by the prefix cache
         self.status = RequestStatus.WAITING
@@ -79,6 +82,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + len(self.spec_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

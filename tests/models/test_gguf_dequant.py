@@ -71,7 +71,7 @@ def test_type_table_matches_gguf_constants():
 def test_size_mismatch_and_unsupported_type_raise():
     with pytest.raises(CheckpointError):
         dequantize(np.zeros(33, np.uint8), int(Q.Q8_0), (32,))
-    with pytest.raises(CheckpointError, match="Q4_K"):
-        dequantize(np.zeros(144, np.uint8), int(Q.Q4_K), (256,))
+    with pytest.raises(CheckpointError, match="Q4_K"):   # 144 bytes is one block, not two
+        dequantize(np.zeros(144, np.uint8), int(Q.Q4_K), (512,))
     with pytest.raises(CheckpointError, match="unsupported ggml tensor type"):
         dequantize(np.zeros(4, np.uint8), 999, (1,))

@@ -113,9 +113,9 @@ def cmd_chat(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    from tokenmill.models.hub import known_models, pull
+    from tokenmill.models.hub import KNOWN_MODELS, pull
     if args.list or not args.name:
-        for name in known_models():
+        for name in sorted(KNOWN_MODELS):
             print(name)
         return 0
     print(pull(args.name, cache_dir=_default_cache_dir()))
@@ -142,7 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", nargs="?")
     p.add_argument("--list", action="store_true", help="list known model names")
     p.set_defaults(func=cmd_pull)
+    from tokenmill.entrypoints.openai.cli_serve import add_serve_parser
+    add_serve_parser(sub)
+    _add_bench_parsers(sub)
     return parser
+
+
+def _add_bench_parsers(sub) -> None:
+    from tokenmill.bench import latency, throughput
+    bench = sub.add_parser("bench", help="benchmarks (ratios measured in one run)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    throughput.add_parser(bench_sub)
+    latency.add_parser(bench_sub)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -102,7 +102,10 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         blocks = self._blocks.get(request.request_id, [])
-        for block, key in zip(blocks, self._block_hashes(request, request.num_computed_tokens)):
+        # Only tokens the request holds are verified: accepted drafts are appended after this
+        # call and rejected ones never are, so a block with unverified tokens is never keyed.
+        num_verified = min(request.num_computed_tokens, request.num_tokens)
+        for block, key in zip(blocks, self._block_hashes(request, num_verified)):
             self.pool.publish(block, key)
 
     def free(self, request_id: str) -> None:

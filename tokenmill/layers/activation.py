@@ -1,10 +1,42 @@
+"""Gated activations for fused [T, 2 * inter] gate_up projections: act(gate) * up."""
 import torch
 from torch import nn
 
 
 class SiluAndMul(nn.Module):
-    """silu(gate) * up for a fused [T, 2 * inter] gate_up projection."""
+    """silu(gate) * up (Llama, Mistral, Qwen)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, 2*inter] -> [T, inter]
         gate, up = x.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """gelu_tanh(gate) * up (Gemma's ``gelu_pytorch_tanh``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, 2*inter] -> [T, inter]
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
+class GeluAndMul(nn.Module):
+    """exact gelu(gate) * up (``gelu``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, 2*inter] -> [T, inter]
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.gelu(gate) * up
+
+
+_GATED = {
+    "silu": SiluAndMul, "swish": SiluAndMul,
+    "gelu_pytorch_tanh": GeluTanhAndMul, "gelu_tanh": GeluTanhAndMul, "gelu_new": GeluTanhAndMul,
+    "gelu": GeluAndMul,
+}
+
+
+def gated_activation(name: str) -> nn.Module:
+    """The act(gate) * up module for an HF ``hidden_act`` name; unknown names fail loudly."""
+    try:
+        return _GATED[name]()
+    except KeyError:
+        raise ValueError(f"activation {name!r} is not supported (supported: {', '.join(sorted(_GATED))})") from None

@@ -10,7 +10,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, hidden]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [..., hidden]
         x32 = x.float()
         var = x32.pow(2).mean(-1, keepdim=True)
         return (self.weight * (x32 * torch.rsqrt(var + self.eps))).to(x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm stores ``weight - 1``: x / rms(x) * (1 + weight), all in float32
+    (HF multiplies before casting back, unlike Llama)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__(hidden_size, eps)
+        self.weight.data.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [..., hidden]
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)

@@ -1,5 +1,5 @@
 """Rotary position embedding (HF "rotate half" layout) with the scaling variants Llama-family
-configs use: none, linear, llama3. Others are rejected with a clear error."""
+configs use: none, linear, llama3, yarn. Others are rejected with a clear error."""
 from __future__ import annotations
 
 import math
@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+SUPPORTED_SCALING = ("default", "linear", "llama3", "yarn")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -23,18 +25,68 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def compute_inv_freq(rotary_dim: int, base: float, scaling: Optional[dict]) -> torch.Tensor:
-    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(scaling: dict) -> float:
+    """YaRN scales cos/sin (hence q.k) by this, unless the config pins ``attention_factor``."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+    return _yarn_mscale(factor)
+
+
+def _yarn_inv_freq(rotary_dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """Blend interpolated (divided by factor) and original frequencies: dims that rotate
+    fewer than ``beta_slow`` times over the original context are interpolated, dims that
+    rotate more than ``beta_fast`` times kept, with a linear ramp in between."""
+    factor = scaling["factor"]
+    old_ctx = scaling.get("original_max_position_embeddings")
+    if old_ctx is None:
+        raise ValueError("yarn rope_scaling needs original_max_position_embeddings")
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    keep = 1 - ramp   # weight of the original (extrapolated) frequency
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def scaling_kind(scaling: Optional[dict]) -> str:
     if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq
+        return "default"
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def check_scaling(scaling: Optional[dict]) -> None:
+    kind = scaling_kind(scaling)
+    if kind not in SUPPORTED_SCALING:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_SCALING)})")
+
+
+def compute_inv_freq(rotary_dim: int, base: float, scaling: Optional[dict]) -> torch.Tensor:
+    check_scaling(scaling)
+    kind = scaling_kind(scaling)
+    if kind == "yarn":
+        return _yarn_inv_freq(rotary_dim, base, scaling)
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported yet (supported: default, linear, llama3)")
+    return inv_freq
 
 
 class RotaryEmbedding(nn.Module):
@@ -42,11 +94,12 @@ class RotaryEmbedding(nn.Module):
                  scaling: Optional[dict] = None) -> None:
         super().__init__()
         inv_freq = compute_inv_freq(head_dim, base, scaling)
+        mscale = yarn_attention_factor(scaling) if scaling_kind(scaling) == "yarn" else 1.0
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)                      # [P, D/2]
         emb = torch.cat([freqs, freqs], dim=-1)               # [P, D]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * mscale, persistent=False)
+        self.register_buffer("sin", emb.sin() * mscale, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         # positions [T]; q [T, Hq, D]; k [T, Hkv, D]

@@ -3,13 +3,13 @@ quantization branches. Parameter names match HF checkpoints; q/k/v and gate/up a
 into one matmul each, declared in ``stacked_params``."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 from torch import nn
 
-from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.activation import gated_activation
 from tokenmill.layers.attention.base import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.linear import Linear, MergedLinear
@@ -33,6 +33,14 @@ class LlamaArgs:
     tie_word_embeddings: bool
     attention_bias: bool
     mlp_bias: bool
+    hidden_act: str = "silu"
+    # Variants of the same decoder (Mistral, Qwen2, Qwen3) differ only in these knobs.
+    qkv_bias: Optional[bool] = None     # None: follow attention_bias (Qwen2: q/k/v only)
+    qk_norm: bool = False               # Qwen3: RMSNorm over each head of q and k
+    sliding_windows: tuple = ()         # per layer: window size or None (full attention)
+
+    def window(self, layer: int) -> Optional[int]:
+        return self.sliding_windows[layer] if self.sliding_windows else None
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "LlamaArgs":
@@ -56,20 +64,40 @@ class LlamaArgs:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
-            mlp_bias=bool(cfg.get("mlp_bias", False)))
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu")
+
+
+def layer_windows(cfg: dict, num_layers: int) -> tuple:
+    """Per-layer sliding window from HF ``layer_types`` ("sliding_attention" layers use
+    ``sliding_window``, the others full attention)."""
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if not window or not types:
+        return ()
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types lists {len(types)} layers, the model has {num_layers}")
+    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding) -> None:
+    norm_cls = RMSNorm   # of the optional per-head q/k norms
+
+    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding, sliding_window: Optional[int] = None,
+                 scale: Optional[float] = None) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             a.num_attention_heads, a.num_key_value_heads, a.head_dim)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        qkv_bias = a.attention_bias if a.qkv_bias is None else a.qkv_bias
         self.qkv_proj = MergedLinear(a.hidden_size, [q_size, kv_size, kv_size], ["q", "k", "v"],
-                                     bias=a.attention_bias)
+                                     bias=qkv_bias)
         self.o_proj = Linear(q_size, a.hidden_size, bias=a.attention_bias)
+        self.q_norm = self.norm_cls(self.head_dim, a.rms_norm_eps) if a.qk_norm else None
+        self.k_norm = self.norm_cls(self.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.rotary = rotary
-        self.scale = self.head_dim ** -0.5
+        self.sliding_window = sliding_window
+        self.scale = scale if scale is not None else self.head_dim ** -0.5
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -78,8 +106,11 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:   # per head, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
+                              sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
@@ -89,16 +120,16 @@ class LlamaMLP(nn.Module):
         inter = a.intermediate_size
         self.gate_up_proj = MergedLinear(a.hidden_size, [inter, inter], ["gate", "up"], bias=a.mlp_bias)
         self.down_proj = Linear(inter, a.hidden_size, bias=a.mlp_bias)
-        self.act = SiluAndMul()
+        self.act = gated_activation(a.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, hidden]
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding) -> None:
+    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding, layer: int) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(a, rotary)
+        self.self_attn = LlamaAttention(a, rotary, sliding_window=a.window(layer))
         self.mlp = LlamaMLP(a)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
@@ -114,7 +145,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(a, rotary) for _ in range(a.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(a, rotary, i) for i in range(a.num_hidden_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
@@ -128,11 +159,17 @@ class LlamaForCausalLM(nn.Module):
 
     def __init__(self, hf_config: dict) -> None:
         super().__init__()
-        self.args = LlamaArgs.from_hf(hf_config)
+        self.args = self.make_args(hf_config)
         self.model = LlamaModel(self.args)
         self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size)
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @classmethod
+    def make_args(cls, hf_config: dict) -> LlamaArgs:
+        """Config -> args; variants of this decoder override it to turn their knobs."""
+        args = LlamaArgs.from_hf(hf_config)
+        return replace(args, sliding_windows=layer_windows(hf_config, args.num_hidden_layers))
 
     @property
     def num_kv_heads(self) -> int:

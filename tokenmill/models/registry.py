@@ -1,12 +1,25 @@
-"""Architecture name (HF ``architectures``) -> model class."""
+"""Architecture name (HF ``architectures``, else ``model_type``) -> model class."""
 from __future__ import annotations
 
 from torch import nn
 
+from tokenmill.models.gemma3 import Gemma3ForCausalLM
 from tokenmill.models.llama import LlamaForCausalLM
+from tokenmill.models.mistral import MistralForCausalLM
+from tokenmill.models.qwen2 import Qwen2ForCausalLM
+from tokenmill.models.qwen3 import Qwen3ForCausalLM
 
 _MODELS = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+}
+# Configs without ``architectures`` (hand-written ones) name only a model type.
+_MODEL_TYPES = {
+    "llama": LlamaForCausalLM, "mistral": MistralForCausalLM, "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM, "gemma3_text": Gemma3ForCausalLM,
 }
 
 
@@ -19,7 +32,7 @@ def model_class(hf_config: dict) -> type[nn.Module]:
     for arch in archs:
         if arch in _MODELS:
             return _MODELS[arch]
-    if not archs and hf_config.get("model_type") == "llama":
-        return LlamaForCausalLM
+    if not archs and hf_config.get("model_type") in _MODEL_TYPES:
+        return _MODEL_TYPES[hf_config["model_type"]]
     raise ValueError(f"model architecture {archs or hf_config.get('model_type')!r} is not supported; "
                      f"supported: {', '.join(supported_architectures())}")

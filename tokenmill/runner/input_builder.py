@@ -22,6 +22,7 @@ class RunnerRequestState:
     num_computed_tokens: int
     seed: Optional[int]
     generator: Optional[torch.Generator] = None
+    spec_token_ids: list[int] = field(default_factory=list)   # drafts scheduled this step
 
     @property
     def num_tokens(self) -> int:
@@ -31,6 +32,8 @@ class RunnerRequestState:
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
+        if end > self.num_tokens:   # the step's draft tokens follow the newest token
+            return (self.prompt_token_ids + self.output_token_ids + self.spec_token_ids)[start:end]
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
 
 
@@ -53,6 +56,9 @@ class ModelInput:
     sample_req_ids: list[str]          # those that sample a token this step
     logits_indices: torch.Tensor       # [num_sample] int64: their last token's row
     prompt_logprobs: list[PromptLogprobsSlice] = field(default_factory=list)
+    # Per sample request: k drafts scored at k + 1 logits rows. Empty when no request has drafts
+    # (then logits_indices holds one row per sample request).
+    num_draft_tokens: list[int] = field(default_factory=list)
 
 
 def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, RunnerRequestState],
@@ -61,6 +67,7 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
     positions: list[int] = []
     query_lens, seq_lens, block_tables = [], [], []
     sample_req_ids, logits_indices, prompt_slices = [], [], []
+    num_draft_tokens: list[int] = []
     req_ids = list(num_scheduled_tokens)
     for req_id in req_ids:
         state, n = states[req_id], num_scheduled_tokens[req_id]
@@ -71,9 +78,11 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
         query_lens.append(n)
         seq_lens.append(end)
         block_tables.append(state.block_ids)
-        if end == state.num_tokens:   # reached the newest token: sample the next one
+        if end >= state.num_tokens:   # reached the newest token (+ k drafts): sample after each
+            num_drafts = end - state.num_tokens
             sample_req_ids.append(req_id)
-            logits_indices.append(offset + n - 1)
+            logits_indices.extend(range(offset + n - 1 - num_drafts, offset + n))
+            num_draft_tokens.append(num_drafts)
         if state.params.prompt_logprobs is not None:
             prompt_slice = _prompt_logprobs_slice(state, start, end, offset)
             if prompt_slice is not None:
@@ -84,7 +93,8 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         attn_meta=meta, req_ids=req_ids, sample_req_ids=sample_req_ids,
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
-        prompt_logprobs=prompt_slices)
+        prompt_logprobs=prompt_slices,
+        num_draft_tokens=num_draft_tokens if any(num_draft_tokens) else [])
 
 
 def _prompt_logprobs_slice(state: RunnerRequestState, start: int, end: int,

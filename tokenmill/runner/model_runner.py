@@ -85,7 +85,9 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput) -> None:
         # logits [num_sample, V]. A row with NaN/inf logits fails only its own request.
-        bad = ~torch.isfinite(logits).all(dim=-1)
+        # A row sum is non-finite whenever the row holds NaN/inf: one cheap reduction.
+        bad = ~torch.isfinite(logits.sum(dim=-1))
+        any_bad = bool(bad.any())
         rows = []
         for req_id in inp.sample_req_ids:
             state = self.states[req_id]
@@ -93,14 +95,14 @@ class ModelRunner:
                 state.generator.manual_seed(step_seed(state.seed, len(state.output_token_ids)))
             rows.append(RowSamplingState(state.params, state.prompt_token_ids,
                                          state.output_token_ids, state.generator))
-        safe_logits = torch.where(bad.unsqueeze(-1), torch.zeros_like(logits), logits)
+        safe_logits = torch.where(bad.unsqueeze(-1), torch.zeros_like(logits), logits) if any_bad else logits
         meta = build_sampling_metadata(rows, self.vocab_size, self.device, self.shared_generator)
         result = self.sampler(safe_logits, meta)
         sampled = result.sampled_token_ids.tolist()
         lp = result.logprobs.tolists() if result.logprobs is not None else None
         index = {req_id: i for i, req_id in enumerate(inp.req_ids)}
         for row, req_id in enumerate(inp.sample_req_ids):
-            if bad[row]:
+            if any_bad and bad[row]:
                 out.errors[req_id] = "the model produced non-finite logits (NaN or inf)"
                 continue
             state = self.states[req_id]

@@ -36,6 +36,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str] = field(default_factory=set)    # runner may drop their state
     preempted_req_ids: set[str] = field(default_factory=set)
+    # req_id -> draft tokens scheduled after its newest token (counted in num_scheduled_tokens)
+    scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -2,8 +2,9 @@
 
 Every step hands out a token budget (``max_num_batched_tokens``) over at most ``max_num_seqs``
 running requests. Running requests are served first, in policy order; each gets what it still
-lacks (``num_tokens - num_computed_tokens``: a decode token or the rest of a prefill, chunked
-to the budget). If the pool is short, the lowest-ranked running request (see
+lacks (``num_tokens_with_spec - num_computed_tokens``: a decode token, 1 + k speculative tokens
+or the rest of a prefill, chunked to the budget). Rejected drafts are rolled back by count in
+``update_from_output``. If the pool is short, the lowest-ranked running request (see
 ``policy.pick_victim``) is preempted by recompute: its blocks are freed and it returns to the
 waiting queue with ``num_computed_tokens = 0``. Waiting requests are admitted in policy order
 while budget, seats and blocks last; prefix-cache hits advance them for free.
@@ -23,8 +24,10 @@ from tokenmill.sched.policy import RequestQueue, pick_victim
 
 class Scheduler:
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_kv_blocks: int, max_model_len: int) -> None:
+                 num_kv_blocks: int, max_model_len: int, num_lookahead_tokens: int = 0) -> None:
         self.config = sched_config
+        # Extra slots a drafter writes draft KV into after a step (layer_skip, draft_model).
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching)
@@ -77,16 +80,17 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
+        spec: dict[str, list[int]] = {}
 
         self.running.sort(key=self.waiting.sort_key)
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
             if num_new <= 0:
                 i += 1
                 continue
-            new_block_ids = self.kv.allocate_slots(req, num_new)
+            new_block_ids, num_new = self._allocate_running(req, num_new)
             if new_block_ids is None:
                 victim = pick_victim(self.running[i:], "fcfs")  # running is in policy order
                 self._preempt(victim)
@@ -94,6 +98,9 @@ class Scheduler:
                 continue   # retry req (unless it was the victim: the list got shorter)
             budget -= num_new
             num_scheduled[req.request_id] = num_new
+            num_drafts = num_new - (req.num_tokens - req.num_computed_tokens)
+            if num_drafts > 0:   # drafts past the budget are simply not verified this step
+                spec[req.request_id] = req.spec_token_ids[:num_drafts]
             cached_reqs.append(self._request_data(req, new_block_ids, new_reqs))
             i += 1
         cached_reqs = [c for c in cached_reqs if c is not None]
@@ -105,9 +112,22 @@ class Scheduler:
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self._finished_ids, preempted_req_ids=preempted)
+            finished_req_ids=self._finished_ids, preempted_req_ids=preempted,
+            scheduled_spec_token_ids=spec)
         self._finished_ids = set()
         return out
+
+    def _allocate_running(self, req: Request, num_new: int) -> tuple[Optional[list[int]], int]:
+        """Slots for num_new tokens plus the drafter's lookahead. Speculation is optional, so
+        when the pool is short the lookahead and then the drafts go before anyone is preempted."""
+        ids = self.kv.allocate_slots(req, num_new + self.num_lookahead_tokens)
+        if ids is None and self.num_lookahead_tokens:
+            ids = self.kv.allocate_slots(req, num_new)
+        if ids is None and req.spec_token_ids:
+            req.spec_token_ids = []
+            num_new = min(num_new, req.num_tokens - req.num_computed_tokens)
+            ids = self.kv.allocate_slots(req, num_new)
+        return ids, num_new
 
     def _request_data(self, req: Request, new_block_ids: list[int],
                       new_reqs: list[NewRequestData]) -> Optional[CachedRequestData]:
@@ -159,6 +179,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         self._known_to_runner.discard(req.request_id)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -173,7 +194,9 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.is_finished:
                 continue
-            req.num_computed_tokens += num_new
+            token_ids = sampled.get(req_id, [])
+            req.num_computed_tokens += num_new - self._num_rejected(sched_out, req_id, token_ids)
+            req.spec_token_ids = []
             out = EngineCoreOutput(req_id, [])
             out.new_prompt_logprobs = runner_out.prompt_logprobs.get(req_id, [])
             error = runner_out.errors.get(req_id)
@@ -182,14 +205,33 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_ERROR)
             else:
                 self.kv.cache_computed_blocks(req)
-                self._append_tokens(req, sampled.get(req_id, []), out,
-                                    runner_out.logprobs.get(req_id, []))
+                self._append_tokens(req, token_ids, out, runner_out.logprobs.get(req_id, []))
+                if not req.is_finished:
+                    req.spec_token_ids = self._usable_drafts(
+                        req, runner_out.draft_token_ids.get(req_id))
             out.finished = req.is_finished
             out.finish_reason = req.status.finish_reason
             out.stop_reason = req.stop_reason
             if out.new_token_ids or out.finished or out.new_prompt_logprobs:
                 outputs.append(out)
         return outputs
+
+    @staticmethod
+    def _num_rejected(sched_out: SchedulerOutput, req_id: str, token_ids: list[int]) -> int:
+        """k scheduled drafts yield a accepted + 1 recovered/bonus token; the k - a rejected
+        ones leave num_computed_tokens (their KV slots are simply overwritten later)."""
+        drafts = sched_out.scheduled_spec_token_ids.get(req_id)
+        if not drafts:
+            return 0
+        return len(drafts) + 1 - len(token_ids) if token_ids else len(drafts)
+
+    def _usable_drafts(self, req: Request, drafts: Optional[list[int]]) -> list[int]:
+        """Drop drafts that could only produce tokens past max_tokens or max_model_len (k drafts
+        make up to k + 1 tokens)."""
+        if not drafts:
+            return []
+        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+        return list(drafts[:max(room, 0)])
 
     def _append_tokens(self, req: Request, token_ids: list[int], out: EngineCoreOutput,
                        logprobs: list) -> None:

@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import CheckpointError
+from .gguf_kquants import EXTRA_FLAT, KQUANT_DEQUANT
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,9 @@ def _dequant_bf16(raw: np.ndarray) -> np.ndarray:
 
 _FLAT = {0: _plain(np.dtype("<f4")), 1: _plain(np.dtype("<f2")), 30: _dequant_bf16}
 _BLOCKED = {8: _dequant_q8_0, 2: _dequant_q4_0, 3: _dequant_q4_1}
+# 5-bit and K-quant types live in their own module (same block-array interface).
+_BLOCKED.update(KQUANT_DEQUANT)
+_FLAT.update(EXTRA_FLAT)
 
 SUPPORTED_DEQUANT = frozenset(_FLAT) | frozenset(_BLOCKED)
 

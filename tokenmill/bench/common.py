@@ -1,0 +1,63 @@
+"""Shared benchmark plumbing: machine facts printed beside every number, medians, random
+prompts, and the physical floor (bandwidth and GEMM rate measured in the same run)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def machine_info() -> dict:
+    load1, load5, _ = os.getloadavg()
+    return {"load_avg_1m": round(load1, 2), "load_avg_5m": round(load5, 2),
+            "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "torch": torch.__version__}
+
+
+def median_of(fn: Callable[[], float], repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
+    for _ in range(warmup):
+        fn()
+    values = [fn() for _ in range(repeats)]
+    return statistics.median(values), values
+
+
+def random_prompts(num: int, input_len: int, vocab_size: int, seed: int = 0) -> list[dict]:
+    """Token-id prompts of a fixed length, away from the special ids at the start of the
+    vocabulary, so every engine sees exactly the same tokens."""
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(100, vocab_size) for _ in range(input_len)]}
+            for _ in range(num)]
+
+
+def measure_bandwidth_gbps(num_bytes: int = 256 * 1024**2, repeats: int = 5) -> float:
+    """Memory bandwidth from a large copy: bytes read + bytes written per second."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+
+    def once() -> float:
+        t = time.perf_counter()
+        dst.copy_(src)
+        return 2 * num_bytes / (time.perf_counter() - t) / 1e9
+    return median_of(once, repeats)[0]
+
+
+def measure_gemm_gflops(n: int = 1024, repeats: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+
+    def once() -> float:
+        t = time.perf_counter()
+        torch.mm(a, b)
+        return 2 * n**3 / (time.perf_counter() - t) / 1e9
+    return median_of(once, repeats)[0]
+
+
+def emit(result: dict, json_path: str | None) -> None:
+    print(json.dumps(result, indent=2))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2)

@@ -1,0 +1,66 @@
+"""`tokenmill bench latency`: batch-1 prefill tok/s and decode ms/token at several context
+lengths, each beside this machine's physical floor measured in the same run."""
+from __future__ import annotations
+
+import time
+
+from tokenmill.bench.common import (emit, machine_info, measure_bandwidth_gbps,
+                                    measure_gemm_gflops, random_prompts)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("latency", help="batch-1 prefill and decode speed vs the physical floor")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--context-lens", default="128,512,1024")
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--json", default=None)
+    p.set_defaults(func=run)
+
+
+def _one_request(engine, prompt, decode_tokens: int) -> tuple[float, float]:
+    """(prefill seconds, decode seconds per token) of one request alone."""
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=decode_tokens + 1, ignore_eos=True)
+    engine.add_request(None, prompt, params)
+    t0 = time.perf_counter()
+    engine.step()                     # prefill + first token (budget covers the prompt)
+    t1 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    t2 = time.perf_counter()
+    return t1 - t0, (t2 - t1) / decode_tokens
+
+
+def run(args) -> int:
+    import statistics
+    from tokenmill import LLM
+    lens = [int(x) for x in args.context_lens.split(",")]
+    llm = LLM(model=args.model, num_threads=args.num_threads, max_num_batched_tokens=max(lens) + 1,
+              skip_tokenizer_init=True,
+              max_model_len=max(lens) + args.decode_tokens + 8, enable_prefix_caching=False)
+    engine = llm.engine
+    a = engine.model.args
+    bandwidth = measure_bandwidth_gbps()
+    gflops = measure_gemm_gflops()
+    params = sum(p.numel() for p in {id(p): p for p in engine.model.parameters()}.values())
+    kv_per_token = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * engine.dtype.itemsize
+    rows = []
+    _one_request(engine, random_prompts(1, 16, a.vocab_size, seed=99)[0], 4)   # warm-up
+    for n in lens:
+        samples = [_one_request(engine, random_prompts(1, n, a.vocab_size, seed=r)[0], args.decode_tokens)
+                   for r in range(args.repeats)]
+        prefill_s = statistics.median(s[0] for s in samples)
+        decode_s = statistics.median(s[1] for s in samples)
+        decode_floor = (engine.weight_bytes + kv_per_token * (n + args.decode_tokens // 2)) / (bandwidth * 1e9)
+        prefill_floor = 2 * params * n / (gflops * 1e9)
+        rows.append({"context_len": n, "prefill_tok_s": round(n / prefill_s, 1),
+                     "prefill_x_floor": round(prefill_s / prefill_floor, 2),
+                     "decode_ms_per_token": round(decode_s * 1e3, 2),
+                     "decode_tok_s": round(1 / decode_s, 1),
+                     "decode_x_floor": round(decode_s / decode_floor, 2)})
+    emit({"bench": "latency", "model": args.model, "bandwidth_gb_s": round(bandwidth, 1),
+          "gemm_gflops": round(gflops, 1), "weight_bytes": engine.weight_bytes,
+          "machine": machine_info(), "rows": rows}, args.json)
+    return 0

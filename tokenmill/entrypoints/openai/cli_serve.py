@@ -1,0 +1,154 @@
+"""`tokenmill serve`: the OpenAI-compatible server on uvicorn, with a draining SIGTERM.
+
+The model loads in the engine thread after the socket is open, so `/health` answers 503
+("loading") instead of the connection being refused while weights are read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from typing import Optional
+
+import uvicorn
+
+# Flags users type from vLLM habits for features tokenmill does not have yet. Each is accepted
+# and, when given a non-default value, stops the server with a clear message (never ignored).
+_NOT_YET = {
+    "speculative_config": ("--speculative-config", None),
+    "speculative_model": ("--speculative-model", None),
+    "num_speculative_tokens": ("--num-speculative-tokens", None),
+    "quantization": ("--quantization", None),
+    "kv_cache_dtype": ("--kv-cache-dtype", "auto"),
+    "tensor_parallel_size": ("--tensor-parallel-size", 1),
+}
+
+
+def _has_option(parser: argparse.ArgumentParser, flag: str) -> bool:
+    return flag in parser._option_string_actions
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    from tokenmill.entrypoints.cli import _add_engine_args
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", default=None,
+                   help="model name clients send (default: --model)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route except /health")
+    g.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests waiting beyond --max-num-seqs before new ones get 503")
+    g.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
+                   help="larger request bodies get 413")
+    g.add_argument("--drain-timeout", type=float, default=60.0,
+                   help="seconds SIGTERM waits for in-flight requests before exiting")
+    g.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    _add_not_yet_args(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def _add_not_yet_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("not implemented yet (accepted; a non-default value exits)")
+    specs = {
+        "--speculative-config": dict(default=None, help="JSON speculative decoding config"),
+        "--speculative-model": dict(default=None),
+        "--num-speculative-tokens": dict(type=int, default=None),
+        "--quantization": dict(default=None),
+        "--kv-cache-dtype": dict(default="auto"),
+        "--tensor-parallel-size": dict(type=int, default=1),
+    }
+    for flag, kwargs in specs.items():
+        if not _has_option(p, flag):   # another module may already own the flag
+            g.add_argument(flag, **kwargs)
+
+
+def unimplemented_flags(args) -> list[str]:
+    """Flags given a value this build cannot honour."""
+    bad = []
+    for attr, (flag, default) in _NOT_YET.items():
+        value = getattr(args, attr, default)
+        if value is not None and value != default:
+            bad.append(f"{flag} {value}")
+    if args.speculative_config:
+        try:
+            json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            bad.append(f"--speculative-config is not valid JSON ({e})")
+    return bad
+
+
+def _check_args(args) -> Optional[str]:
+    bad = unimplemented_flags(args)
+    if bad:
+        return ("not implemented yet in tokenmill: " + ", ".join(bad) +
+                " (drop the flag to serve without it)")
+    if args.max_queued_requests < 0:
+        return "--max-queued-requests must be >= 0"
+    if args.max_request_body_bytes < 1024:
+        return "--max-request-body-bytes must be at least 1024"
+    return None
+
+
+def cmd_serve(args) -> int:
+    problem = _check_args(args)
+    if problem:
+        print(f"tokenmill serve: error: {problem}", file=sys.stderr)
+        return 2
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.entrypoints.cli import _make_llm
+    from tokenmill.entrypoints.openai.server import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = AsyncEngine(lambda: _make_llm(args).engine,
+                         max_pending=args.max_num_seqs + args.max_queued_requests)
+    app = build_app(engine, args.served_model_name or args.model, args.api_key,
+                    args.max_request_body_bytes)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            access_log=args.access_log, timeout_graceful_shutdown=5)
+    server = DrainingServer(config, app.state.server, args.drain_timeout)
+    engine.start()
+    try:
+        server.run()
+    finally:
+        engine.stop()
+    if engine.load_error:
+        print(f"tokenmill serve: error: {engine.load_error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM drains: new requests get 503 (the gate sees
+    ``draining``), in-flight ones finish, then the server exits with status 0. A second
+    signal (or Ctrl-C) exits the usual way."""
+
+    def __init__(self, config, state, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+        self._drain_deadline: Optional[float] = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGTERM and not self.state.draining:
+            # Not recorded as a captured signal: uvicorn would re-raise it after shutdown,
+            # killing the process with -15 instead of exiting 0.
+            self.state.draining = True
+            self._drain_deadline = time.monotonic() + self.drain_timeout
+            logging.getLogger("tokenmill.server").info("SIGTERM: draining in-flight requests")
+            return
+        super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.state.draining and (self.state.num_inflight == 0
+                                    or time.monotonic() > self._drain_deadline):
+            self.should_exit = True
+        return await super().on_tick(counter)

@@ -1,0 +1,115 @@
+"""Request bodies of the OpenAI API (pydantic), with the bounds a client can be told about.
+
+Bounds checked here produce a 400 whose ``param`` is the field's name; whatever is only known
+once the model is loaded (vocabulary, max_model_len) is checked by the engine and mapped by
+errors.from_value_error. Unknown fields are ignored, as vLLM does, so clients that send extra
+OpenAI fields keep working.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+_INT64 = 2**63 - 1
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Temperature = Annotated[float, Field(ge=0.0, le=100.0, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+Seed = Annotated[int, Field(ge=-_INT64 - 1, le=_INT64)]
+MaxTokens = Annotated[int, Field(ge=1, le=_INT64)]
+TopLogprobs = Annotated[int, Field(ge=0, le=20)]
+TokenId = Annotated[int, Field(ge=0, le=_INT64)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions (vLLM extras included)."""
+
+    model: Optional[str] = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    max_tokens: Optional[MaxTokens] = None
+    temperature: Optional[Temperature] = None
+    top_p: Optional[TopP] = None
+    top_k: Optional[Annotated[int, Field(ge=-1, le=1_000_000)]] = None
+    min_p: Optional[Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]] = None
+    presence_penalty: Optional[Penalty] = None
+    frequency_penalty: Optional[Penalty] = None
+    repetition_penalty: Optional[Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)]] = None
+    seed: Optional[Seed] = None
+    stop: Union[None, str, list[str]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
+    min_tokens: Annotated[int, Field(ge=0, le=_INT64)] = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: Optional[dict[str, Finite]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
+    cache_salt: Optional[Annotated[str, Field(min_length=1, max_length=256)]] = None
+
+
+PromptInput = Union[str, list[str], list[TokenId], list[list[TokenId]]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput
+    logprobs: Optional[TopLogprobs] = None
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[Annotated[int, Field(ge=1, le=128)]] = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Optional[MaxTokens] = None
+    logprobs: bool = False
+    top_logprobs: Optional[TopLogprobs] = None
+    add_generation_prompt: bool = True
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[dict]] = None
+    tool_choice: Optional[Union[Literal["none"], dict, str]] = None
+
+
+class TokenizeRequest(_Body):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: Optional[str] = None
+    tokens: list[TokenId]
