@@ -47,7 +47,14 @@ class LLMEngine:
                                        self.weight_bytes)
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.device, self.dtype,
                                   mc.attention_backend, seed=mc.seed)
-        self.scheduler = Scheduler(config.scheduler, cc, num_blocks, self.max_model_len)
+        lookahead = 0
+        if config.speculative is not None:
+            from tokenmill.spec.decoder import build_spec_decoder
+            self.runner.spec = build_spec_decoder(config.speculative, self.runner,
+                                                  self.max_model_len, num_blocks, config.cache_dir)
+            lookahead = self.runner.spec.num_lookahead_tokens
+        self.scheduler = Scheduler(config.scheduler, cc, num_blocks, self.max_model_len,
+                                   num_lookahead_tokens=lookahead)
         self.processor = Processor(self.tokenizer, self.max_model_len, a.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
@@ -117,8 +124,11 @@ class LLMEngine:
 
     # -- introspection ----------------------------------------------------------------------
     def get_stats(self) -> dict:
-        return self.stats.snapshot(self.scheduler.num_preemptions,
-                                   self.scheduler.kv.prefix_stats.hit_rate)
+        stats = self.stats.snapshot(self.scheduler.num_preemptions,
+                                    self.scheduler.kv.prefix_stats.hit_rate)
+        if self.runner.spec is not None:
+            stats.update(self.runner.spec.snapshot())
+        return stats
 
     def get_memory_stats(self) -> dict:
         kv = self.scheduler.kv

@@ -5,7 +5,8 @@ from typing import Iterator, Optional, Sequence, Union
 
 from tqdm import tqdm
 
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenmill.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
+                              SpeculativeConfig)
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -19,7 +20,10 @@ class LLM:
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  scheduling_policy: str = "fcfs", skip_tokenizer_init: bool = False, seed: int = 0,
                  num_threads: Optional[int] = None, attention_backend: str = "auto",
-                 cache_dir: Optional[str] = None) -> None:
+                 cache_dir: Optional[str] = None,
+                 speculative_config: Union[None, dict, SpeculativeConfig] = None,
+                 speculative_model: Optional[str] = None,
+                 num_speculative_tokens: Optional[int] = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               skip_tokenizer_init=skip_tokenizer_init,
@@ -31,7 +35,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       policy=scheduling_policy),
-            num_threads=num_threads, cache_dir=cache_dir)
+            num_threads=num_threads, cache_dir=cache_dir,
+            speculative=_speculative(speculative_config, speculative_model, num_speculative_tokens))
         self.engine = LLMEngine(config)
 
     def get_tokenizer(self):
@@ -127,3 +132,22 @@ class LLM:
             for request_id in pending:
                 self.engine.abort_request(request_id)
         return [finished[i] for i in ids if i in finished]
+
+
+def _speculative(config, model: Optional[str], num_tokens: Optional[int]) -> Optional[SpeculativeConfig]:
+    """vLLM's ``speculative_config`` dict, or the older ``speculative_model`` /
+    ``num_speculative_tokens`` pair ("[ngram]" names prompt lookup)."""
+    if isinstance(config, SpeculativeConfig):
+        return config
+    if config is None and model is None:
+        if num_tokens is not None:
+            raise ValueError("num_speculative_tokens needs speculative_model or speculative_config")
+        return None
+    d = dict(config or {})
+    if model is not None:
+        d.setdefault("method", "ngram" if model == "[ngram]" else "draft_model")
+        if model != "[ngram]":
+            d.setdefault("model", model)
+    if num_tokens is not None:
+        d.setdefault("num_speculative_tokens", num_tokens)
+    return SpeculativeConfig.from_dict(d)

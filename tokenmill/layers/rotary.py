@@ -101,10 +101,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * mscale, persistent=False)
         self.register_buffer("sin", emb.sin() * mscale, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # positions [T]; q [T, Hq, D]; k [T, Hkv, D]
-        cos = self.cos[positions].unsqueeze(1)                # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                step_cache: Optional[dict] = None):
+        # positions [T]; q [T, Hq, D]; k [T, Hkv, D]. step_cache (per-step, e.g. the attention
+        # metadata's plan_cache) lets every layer reuse one cos/sin lookup.
+        key = ("rope", id(self))
+        cos_sin = step_cache.get(key) if step_cache is not None else None
+        if cos_sin is None:
+            cos_sin = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))  # [T, 1, D]
+            if step_cache is not None:
+                step_cache[key] = cos_sin
+        cos, sin = cos_sin
         return _apply(q, cos, sin), _apply(k, cos, sin)
 
 

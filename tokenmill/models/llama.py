@@ -108,7 +108,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:   # per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, meta.plan_cache)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
                               sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))

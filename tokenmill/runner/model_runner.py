@@ -2,6 +2,7 @@
 SchedulerOutput into sampled tokens (forward -> logits -> sample)."""
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -11,6 +12,7 @@ from tokenmill.outputs import Logprob, ModelRunnerOutput
 from tokenmill.runner.input_builder import ModelInput, RunnerRequestState, build_model_input
 from tokenmill.runner.kv_tensors import allocate_kv_caches
 from tokenmill.sample.metadata import RowSamplingState, build_sampling_metadata, make_request_generator
+from tokenmill.sample.rejection import RejectionSampler
 from tokenmill.sample.sampler import Sampler, compute_logprobs
 from tokenmill.sched.output import SchedulerOutput
 
@@ -39,6 +41,8 @@ class ModelRunner:
         self.shared_generator = torch.Generator(device=device)
         self.shared_generator.manual_seed(seed)
         self.states: dict[str, RunnerRequestState] = {}
+        self.rejection_sampler = RejectionSampler()
+        self.spec = None   # tokenmill.spec.decoder.SpecDecoder, attached by the engine
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -65,10 +69,13 @@ class ModelRunner:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+        for req_id, drafts in so.scheduled_spec_token_ids.items():
+            self.states[req_id].spec_token_ids = drafts
 
     # -- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        t_start = time.perf_counter()
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
@@ -76,11 +83,17 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta, self.backend)
         out = ModelRunnerOutput(req_ids=inp.req_ids, sampled_token_ids=[[] for _ in inp.req_ids])
         self._prompt_logprobs(hidden, inp, out)
+        last_rows = inp.logits_indices   # per sample request: hidden row of its newest token
         if inp.sample_req_ids:
             logits = self.model.compute_logits(hidden[inp.logits_indices])
-            self._sample(logits, inp, out)
+            if inp.num_draft_tokens:
+                last_rows = inp.logits_indices[self._verify(logits, inp, out)]
+            else:
+                self._sample(logits, inp, out)
         for req_id, n in so.num_scheduled_tokens.items():
             self.states[req_id].num_computed_tokens += n
+        if self.spec is not None:
+            out.draft_token_ids = self.spec.after_step(self, so, inp, hidden[last_rows], out, t_start)
         return out
 
     def _sample(self, logits: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput) -> None:
@@ -110,6 +123,48 @@ class ModelRunner:
             out.sampled_token_ids[index[req_id]] = [sampled[row]]
             if state.params.logprobs is not None and lp is not None:
                 out.logprobs[req_id] = [_position_logprobs(lp, row, state.params.logprobs)]
+
+    def _verify(self, logits: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput) -> list[int]:
+        """logits [sum(k + 1), V]: each sample request's newest token and its k drafts. Row j
+        is shaped as if the drafts before it were output already, and seeded rows draw at
+        output position n0 + j, like plain sampling. Returns the logits row of each request's
+        last emitted token (the drafter continues from its hidden state)."""
+        rows, drafts = [], []
+        for req_id in inp.sample_req_ids:
+            state = self.states[req_id]
+            drafts.append(state.spec_token_ids)
+            n0 = len(state.output_token_ids)
+            for j in range(len(state.spec_token_ids) + 1):
+                generator = None if state.seed is None else make_request_generator(
+                    step_seed(state.seed, n0 + j), self.device)
+                rows.append(RowSamplingState(state.params, state.prompt_token_ids,
+                                             state.output_token_ids + state.spec_token_ids[:j],
+                                             generator))
+        bad = ~torch.isfinite(logits.sum(dim=-1))
+        any_bad = bool(bad.any())
+        if any_bad:
+            logits = torch.where(bad.unsqueeze(-1), torch.zeros_like(logits), logits)
+        meta = build_sampling_metadata(rows, self.vocab_size, self.device, self.shared_generator)
+        res = self.rejection_sampler(logits, meta, drafts)
+        lp = res.logprobs.tolists() if res.logprobs is not None else None
+        bad_rows = bad.tolist() if any_bad else None
+        index = {req_id: i for i, req_id in enumerate(inp.req_ids)}
+        last_rows = []
+        for b, req_id in enumerate(inp.sample_req_ids):
+            state, start, tokens = self.states[req_id], res.row_starts[b], res.token_ids[b]
+            last_rows.append(start + len(tokens) - 1)
+            num_rejected = len(state.spec_token_ids) - res.num_accepted[b]
+            state.spec_token_ids = []
+            if bad_rows is not None and any(bad_rows[start:start + num_rejected + len(tokens)]):
+                out.errors[req_id] = "the model produced non-finite logits (NaN or inf)"
+                continue
+            state.num_computed_tokens -= num_rejected   # their KV slots are overwritten later
+            state.output_token_ids.extend(tokens)
+            out.sampled_token_ids[index[req_id]] = tokens
+            if state.params.logprobs is not None and lp is not None:
+                out.logprobs[req_id] = [_position_logprobs(lp, start + j, state.params.logprobs)
+                                        for j in range(len(tokens))]
+        return last_rows
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput) -> None:
         for sl in inp.prompt_logprobs:

@@ -74,18 +74,19 @@ def _batched_short(
     sliding_window: Optional[int],
     out: torch.Tensor,      # [T, num_heads, head_dim], rows of `reqs` are written
 ) -> None:
-    device = query.device
-    num_blocks_used = -(-max(meta.seq_lens_list[b] for b in reqs) // meta.block_size)
-    req_idx = torch.tensor(reqs, device=device)
-    k, v = _gather_blocks(k_cache, v_cache, meta.block_tables[req_idx, :num_blocks_used])
-    tok, q_pos, valid = _short_query_index(meta, reqs, device)      # each [Bs, Qmax]
+    key = ("short", tuple(reqs), sliding_window)
+    plan = meta.plan_cache.get(key)
+    if plan is None:
+        plan = meta.plan_cache[key] = _short_plan(meta, reqs, sliding_window, query.device,
+                                                  query.shape[1] // k_cache.shape[2])
+    flat_ids, tok, valid, mask = plan
+    k, v = _gather_flat(k_cache, v_cache, flat_ids, tok.shape[0])
     num_reqs, max_q = tok.shape
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = query.shape[1] // num_kv_heads
     # [Bs, Qmax, H, D] -> [Bs, Hkv, Qmax*G, D]: heads sharing a KV head become query rows.
     q = query[tok].float().view(num_reqs, max_q, num_kv_heads, group, head_dim)
     q = q.permute(0, 2, 1, 3, 4).reshape(num_reqs, num_kv_heads, max_q * group, head_dim)
-    mask = _folded_mask(q_pos, k.shape[2], group, sliding_window)
     o = _masked_attention(q, k, v, mask, scale)
     # [Bs, Hkv, Qmax*G, D] -> [Bs, Qmax, H, D]
     o = o.view(num_reqs, num_kv_heads, max_q, group, head_dim).permute(0, 2, 1, 3, 4)
@@ -94,6 +95,28 @@ def _batched_short(
         out[tok[:, 0]] = o[:, 0].to(out.dtype)
     else:
         out[tok[valid]] = o[valid].to(out.dtype)
+
+
+def _short_plan(meta: AttentionMetadata, reqs: list[int], sliding_window: Optional[int],
+                device, group: int) -> tuple:
+    """Everything about the batched short-query path that is the same in every layer."""
+    num_blocks_used = -(-max(meta.seq_lens_list[b] for b in reqs) // meta.block_size)
+    req_idx = torch.tensor(reqs, device=device)
+    flat_ids = meta.block_tables[req_idx, :num_blocks_used].reshape(-1)
+    tok, q_pos, valid = _short_query_index(meta, reqs, device)      # each [Bs, Qmax]
+    mask = _folded_mask(q_pos, num_blocks_used * meta.block_size, group, sliding_window)
+    return flat_ids, tok, valid, mask
+
+
+def _gather_flat(k_cache: torch.Tensor, v_cache: torch.Tensor, flat_ids: torch.Tensor,
+                 num_reqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # -> 2 x [Bs, Hkv, nb*block_size, D] fp32
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        g = cache.index_select(0, flat_ids).view(num_reqs, -1, num_kv_heads, head_dim)
+        return g.float().transpose(1, 2)
+    return gather(k_cache), gather(v_cache)
 
 
 def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

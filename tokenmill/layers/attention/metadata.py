@@ -11,7 +11,7 @@ Terms:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,9 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     block_size: int
+    # Per-step derived tensors a backend computes on the first layer and reuses on the rest
+    # (index lists, masks). Lives and dies with this step's metadata object.
+    plan_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:

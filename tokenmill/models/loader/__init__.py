@@ -53,18 +53,11 @@ class GGUFCheckpoint(Checkpoint):
     gguf: GGUFFile = field(default=None, repr=False)  # type: ignore[assignment]
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        cfg = self.hf_config
-        # llama.cpp permutes q/k rows per head; k uses the KV head count (GQA).
-        heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+        # Per-architecture fix-ups (q/k row order, Gemma norm offsets) live in gguf_llama.
         for gguf_name in self.gguf.tensors:
-            name = gguf_llama.hf_name(gguf_name)
-            if name is None:
-                continue
-            values = self.gguf.dequantize(gguf_name)
-            kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
-            if kind in heads:
-                values = gguf_llama.unpermute_rope_rows(values, heads[kind])
-            yield name, torch.from_numpy(values)
+            converted = gguf_llama.hf_tensor(self.gguf, self.hf_config, gguf_name)
+            if converted is not None:
+                yield converted[0], torch.from_numpy(converted[1])
 
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in self.gguf.tensors.values())

@@ -1,12 +1,15 @@
-"""GGUF (llama.cpp) conventions -> Hugging Face conventions, for the llama architecture.
+"""GGUF (llama.cpp) conventions -> Hugging Face conventions, for the llama-like
+architectures (llama, qwen2, qwen3, gemma3).
 
-Three translations: metadata keys -> an HF ``config.json`` dict, tensor names -> HF
-parameter names, and q/k weights back from llama.cpp's RoPE row order to HF's.
+Translations: metadata keys -> an HF ``config.json`` dict, tensor names -> HF parameter
+names, q/k weights back from llama.cpp's RoPE row order to HF's (llama only), and Gemma's
+norm weights back from llama.cpp's ``1 + w`` to HF's ``w``.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
@@ -14,7 +17,6 @@ import numpy as np
 from .errors import CheckpointError
 from .gguf_reader import GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama",)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -32,6 +34,31 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma's converter renames the sandwich norms: its ffn_norm is HF's pre-feedforward norm.
+_GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How one llama.cpp architecture maps onto an HF one."""
+    hf_architecture: str
+    model_type: str
+    layer_names: dict = field(default_factory=lambda: dict(_LAYER_NAMES))
+    permuted_qk: bool = False  # llama.cpp's converter reorders q/k rows (llama only)
+    norm_shift: float = 0.0  # the converter stored norm weights + this (Gemma: 1)
+
+
+ARCHS = {
+    "llama": ArchSpec("LlamaForCausalLM", "llama", permuted_qk=True),
+    "qwen2": ArchSpec("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ArchSpec("Qwen3ForCausalLM", "qwen3", {**_LAYER_NAMES, **_QK_NORMS}),
+    "gemma3": ArchSpec("Gemma3ForCausalLM", "gemma3_text", {**_LAYER_NAMES, **_QK_NORMS, **_GEMMA_NORMS},
+                       norm_shift=1.0),
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHS)
+
 _LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 # Present in some llama GGUFs but not an HF parameter: llama-3 rope frequency factors
 # (HF derives them from rope_scaling) and the cached rotary table of old converters.
@@ -47,16 +74,35 @@ def architecture(gguf: GGUFFile) -> str:
     return arch
 
 
-def hf_name(gguf_name: str) -> Optional[str]:
+def hf_name(gguf_name: str, arch: str = "llama") -> Optional[str]:
     """HF parameter name for a GGUF tensor name, None for tensors HF has no parameter for."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if gguf_name in _SKIPPED or gguf_name.endswith(".attn_rot_embd"):
         return None
+    names = ARCHS[arch].layer_names
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
-        raise CheckpointError(f"unknown llama GGUF tensor {gguf_name!r}")
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m is None or m.group(2) not in names:
+        raise CheckpointError(f"unknown {arch} GGUF tensor {gguf_name!r}")
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+
+
+def hf_tensor(gguf: GGUFFile, cfg: dict[str, Any], gguf_name: str) -> Optional[tuple[str, np.ndarray]]:
+    """(HF name, float32 values in HF layout) of one GGUF tensor; None if HF has no such parameter."""
+    arch = architecture(gguf)
+    name = hf_name(gguf_name, arch)
+    if name is None:
+        return None
+    values = gguf.dequantize(gguf_name)
+    spec = ARCHS[arch]
+    kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+    if spec.permuted_qk and kind in ("attn_q", "attn_k"):
+        # k uses the KV head count (GQA)
+        heads = cfg["num_attention_heads"] if kind == "attn_q" else cfg["num_key_value_heads"]
+        values = unpermute_rope_rows(values, heads)
+    if spec.norm_shift and gguf_name.endswith("norm.weight"):
+        values = values - np.float32(spec.norm_shift)
+    return name, values
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -106,9 +152,10 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         raise CheckpointError(f"{path}: partial rotary ({rope_dims} of {head_dim} dims) is not supported")
     if num_heads % num_kv_heads:
         raise CheckpointError(f"{path}: {num_heads} heads is not a multiple of {num_kv_heads} KV heads")
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    spec = ARCHS[arch]
+    cfg = {
+        "architectures": [spec.hf_architecture],
+        "model_type": spec.model_type,
         "hidden_size": hidden,
         "num_hidden_layers": _get(md, p + "block_count", path),
         "num_attention_heads": num_heads,
@@ -127,6 +174,30 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in gguf.tensors,
         "mlp_bias": "blk.0.ffn_up.bias" in gguf.tensors,
         "hidden_act": "silu",
+    }
+    if arch == "gemma3":
+        cfg.update(_gemma3_config(md, p, path, cfg))
+    return cfg
+
+
+GEMMA3_SLIDING_PATTERN = 6  # every 6th layer is global; llama.cpp hard-codes this for gemma3
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # likewise the local layers' RoPE base
+
+
+def _gemma3_config(md: dict[str, Any], p: str, path: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    window = _get(md, p + "attention.sliding_window", path)
+    num_layers = cfg["num_hidden_layers"]
+    return {
+        "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+        "sliding_window": window, "sliding_window_pattern": GEMMA3_SLIDING_PATTERN,
+        "layer_types": ["full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
+                        for i in range(num_layers)],
+        "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
+        # llama.cpp scales queries by head_dim ** -0.5 (all sizes but 27B, which it rejects here)
+        "query_pre_attn_scalar": cfg["head_dim"],
+        "final_logit_softcapping": md.get(p + "final_logit_softcapping"),
+        "attn_logit_softcapping": md.get(p + "attn_logit_softcapping"),
+        "rms_norm_eps": _get(md, p + "attention.layer_norm_rms_epsilon", path, float, 1e-6),
     }
 
 
@@ -163,13 +234,25 @@ def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     if not cfg["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (vocab, hidden)
-    per_layer = {"self_attn.q_proj": (q_rows, hidden), "self_attn.k_proj": (kv_rows, hidden),
-                 "self_attn.v_proj": (kv_rows, hidden), "self_attn.o_proj": (hidden, q_rows),
-                 "mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden), "mlp.down_proj": (hidden, ffn),
-                 "input_layernorm": (hidden,), "post_attention_layernorm": (hidden,)}
+    per_layer = _per_layer_shapes(cfg)
     for i in range(cfg["num_hidden_layers"]):
         for module, shape in per_layer.items():
             shapes[f"model.layers.{i}.{module}.weight"] = shape
+    return shapes
+
+
+def _per_layer_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """HF module -> weight shape, for one layer of this config's architecture."""
+    hidden, ffn, head_dim = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    q_rows, kv_rows = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    shapes = {"self_attn.q_proj": (q_rows, hidden), "self_attn.k_proj": (kv_rows, hidden),
+              "self_attn.v_proj": (kv_rows, hidden), "self_attn.o_proj": (hidden, q_rows),
+              "mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden), "mlp.down_proj": (hidden, ffn),
+              "input_layernorm": (hidden,), "post_attention_layernorm": (hidden,)}
+    if cfg["model_type"] in ("qwen3", "gemma3_text"):
+        shapes.update({"self_attn.q_norm": (head_dim,), "self_attn.k_norm": (head_dim,)})
+    if cfg["model_type"] == "gemma3_text":
+        shapes.update({"pre_feedforward_layernorm": (hidden,), "post_feedforward_layernorm": (hidden,)})
     return shapes
 
 
@@ -178,13 +261,13 @@ def check_tensors(gguf: GGUFFile, cfg: dict[str, Any]) -> None:
 
     Done at open time so a lying config (say a billion layers) fails before any model is built.
     """
-    num_layers = cfg["num_hidden_layers"]
-    if num_layers * 9 > len(gguf.tensors):  # 9 weights per layer: a lying count, not a model
+    num_layers, arch = cfg["num_hidden_layers"], architecture(gguf)
+    if num_layers * len(_per_layer_shapes(cfg)) > len(gguf.tensors):  # a lying count, not a model
         raise CheckpointError(f"{gguf.path}: {len(gguf.tensors)} tensors cannot hold {num_layers} layers")
     expected = _expected_shapes(cfg)
     found = {}
     for gguf_name, info in gguf.tensors.items():
-        name = hf_name(gguf_name)
+        name = hf_name(gguf_name, arch)
         if name is None:
             continue
         if name.endswith(".bias"):  # biases follow their weight's output rows

@@ -1,8 +1,11 @@
-"""Build a Tokenizer from GGUF ``tokenizer.*`` metadata (byte-level BPE, "gpt2" model).
+"""Build a Tokenizer from GGUF ``tokenizer.*`` metadata.
 
-The result must encode and decode exactly like transformers' GGUF tokenizer: a BPE over the
-GPT-2 byte alphabet, the split regex llama.cpp names in ``tokenizer.ggml.pre``, and the
-tokens typed CONTROL / USER_DEFINED added whole so they are never cut into pieces.
+Two families: byte-level BPE ("gpt2" model) and Gemma's SentencePiece-style BPE ("llama"
+model in a gemma* file). The result must encode and decode exactly like transformers' GGUF
+tokenizer: for "gpt2" a BPE over the GPT-2 byte alphabet with the split regex llama.cpp
+names in ``tokenizer.ggml.pre``; for Gemma a BPE over "▁"-for-space text with byte
+fallback, whose merges are implied by the vocabulary. Either way the tokens typed
+CONTROL / USER_DEFINED are added whole so they are never cut into pieces.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any, Optional
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from ...tokenizer import Tokenizer
@@ -81,7 +84,44 @@ def _backend(tokens: list[str], merges: list[str], pre: Optional[str], path: str
     return backend
 
 
-def _add_special_tokens(backend: BackendTokenizer, tokens: list[str], types: list[int], named_ids: list[int]) -> None:
+SPIECE_SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def _spm_vocab(tokens: list[str]) -> list[str]:
+    """Gemma files store tokens made only of spaces as real spaces; the model spells them
+    with "▁" (its normalizer turns spaces into "▁" before lookup)."""
+    return [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+
+
+def _implied_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Merges a SentencePiece-BPE vocabulary implies: every split of a token into two
+    tokens, ranked by the token's id (file order is Gemma's merge order, its scores are
+    not), and within one token the longer left piece first -- transformers' order."""
+    merges = []
+    for token in sorted(vocab, key=vocab.__getitem__):
+        for cut in range(len(token) - 1, 0, -1):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    return merges
+
+
+def _gemma_backend(tokens: list[str], unk: str) -> BackendTokenizer:
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(_spm_vocab(tokens)):
+        vocab[token] = index  # on a clash the later id wins, as in HF
+    bpe = models.BPE(vocab=vocab, merges=_implied_merges(vocab), fuse_unk=True, unk_token=unk,
+                     byte_fallback=True)
+    backend = BackendTokenizer(bpe)
+    backend.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+    return backend
+
+
+def _add_special_tokens(backend: BackendTokenizer, tokens: list[str], types: list[int], named_ids: list[int],
+                        byte_level: bool = True) -> None:
     """CONTROL tokens (and the named bos/eos/unk/pad ones) become special added tokens,
     USER_DEFINED ones plain added tokens, so text containing them keeps them whole.
 
@@ -89,7 +129,7 @@ def _add_special_tokens(backend: BackendTokenizer, tokens: list[str], types: lis
     would grow the vocabulary past the embedding, so it is left as a plain entry.
     """
     alphabet = set(byte_alphabet().values())
-    control = [t for t, k in zip(tokens, types) if k == TOKEN_CONTROL and set(t) <= alphabet]
+    control = [t for t, k in zip(tokens, types) if k == TOKEN_CONTROL and (not byte_level or set(t) <= alphabet)]
     control += [tokens[i] for i in named_ids if tokens[i] not in control]
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
     vocab = backend.get_vocab(with_added_tokens=False)
@@ -118,21 +158,28 @@ def _string_list(md: dict[str, Any], key: str, path: str, required: bool) -> lis
 def gguf_tokenizer(gguf: GGUFFile) -> Tokenizer:
     md, path = gguf.metadata, gguf.path
     kind = md.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    arch = md.get("general.architecture")
+    gemma = kind == "llama" and isinstance(arch, str) and arch.startswith("gemma")
+    if kind != "gpt2" and not gemma:
         raise CheckpointError(
-            f"{path}: GGUF tokenizer model {kind!r} is not supported yet (only byte-level BPE 'gpt2'; "
-            "SentencePiece 'llama' tokenizers are planned)"
+            f"{path}: GGUF tokenizer model {kind!r} (architecture {arch!r}) is not supported yet "
+            "(supported: byte-level BPE 'gpt2', and Gemma's SentencePiece-style 'llama')"
         )
     tokens = _string_list(md, "tokenizer.ggml.tokens", path, required=True)
-    merges = _string_list(md, "tokenizer.ggml.merges", path, required=True)
     types = md.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
     if not isinstance(types, list) or len(types) != len(tokens):
         raise CheckpointError(f"{path}: tokenizer.ggml.token_type does not match the {len(tokens)} tokens")
     ids = {name: _token_id(md, f"tokenizer.ggml.{key}", len(tokens), path)
            for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"),
                              ("unk", "unknown_token_id"), ("pad", "padding_token_id"))}
-    backend = _backend(tokens, merges, md.get("tokenizer.ggml.pre"), path)
-    _add_special_tokens(backend, tokens, types, [i for i in ids.values() if i is not None])
+    named = [i for i in ids.values() if i is not None]
+    if gemma:
+        backend = _gemma_backend(tokens, tokens[ids["unk"]] if ids["unk"] is not None else "<unk>")
+        _add_special_tokens(backend, tokens, types, named, byte_level=False)
+    else:
+        merges = _string_list(md, "tokenizer.ggml.merges", path, required=True)
+        backend = _backend(tokens, merges, md.get("tokenizer.ggml.pre"), path)
+        _add_special_tokens(backend, tokens, types, named)
     template = md.get("tokenizer.chat_template")
     return Tokenizer(
         backend,
@@ -140,7 +187,8 @@ def gguf_tokenizer(gguf: GGUFFile) -> Tokenizer:
         eos_token_ids=[ids["eos"]] if ids["eos"] is not None else [],
         pad_token_id=ids["pad"],
         unk_token_id=ids["unk"],
-        add_bos_token=bool(md.get("tokenizer.ggml.add_bos_token", False)),
+        # SentencePiece vocabularies want BOS unless the file says otherwise (llama.cpp, HF)
+        add_bos_token=bool(md.get("tokenizer.ggml.add_bos_token", gemma)),
         add_eos_token=bool(md.get("tokenizer.ggml.add_eos_token", False)),
         chat_template=template if isinstance(template, str) else None,
     )

@@ -1,0 +1,92 @@
+"""The compiled quantized matmul (qmm.c), built once per machine and called through ctypes.
+
+Why not a torch C++ extension: including the torch headers costs about a minute of compile
+on two cores, while this plain C file builds in about a second and needs no torch ABI. It
+links the OpenMP runtime torch already loaded (same soname, so one thread pool).
+Where it cannot run (no compiler, not x86-64 AVX2/FMA/F16C) ``available()`` is False and
+callers use the plain-PyTorch reference instead.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+from typing import Optional
+
+import torch
+
+KIND_I8, KIND_I4, KIND_F8 = 0, 1, 2
+_SOURCE = os.path.join(os.path.dirname(__file__), "qmm.c")
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+_DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tokenmill", "kernels")
+
+_lib: Optional[ctypes.CDLL] = None
+_tried = False
+
+
+def _cpu_supported() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return {"avx2", "fma", "f16c"} <= set(flags)
+
+
+def _build(build_dir: str) -> str:
+    """Compile qmm.c into build_dir (named by a hash of source + flags) unless already there."""
+    with open(_SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read() + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    path = os.path.join(build_dir, f"qmm-{digest}.so")
+    if os.path.isfile(path):
+        return path
+    os.makedirs(build_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=build_dir, suffix=".so")
+    os.close(fd)
+    try:   # build to a temp name and rename: concurrent builders never see half a library
+        subprocess.run(["cc", *_FLAGS, _SOURCE, "-o", tmp], check=True, capture_output=True)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def load(build_dir: Optional[str] = None) -> Optional[ctypes.CDLL]:
+    """The library, or None where it cannot be built or run here. Tried once per process."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if not _cpu_supported():
+        return None
+    try:
+        lib = ctypes.CDLL(_build(build_dir or _DEFAULT_DIR))
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.tm_qmm.argtypes = [p, i64, i64, p, p, p, i64, i64, i32, p, i32]
+    lib.tm_qmm.restype = None
+    _lib = lib
+    return lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def qmm(x: torch.Tensor, kind: int, w: torch.Tensor, scales: torch.Tensor,
+        mins: Optional[torch.Tensor], group_size: int, n: int) -> torch.Tensor:
+    """x [M, K] float32 contiguous -> [M, N]; w [N, K] int8/uint8 or [N, K/2] uint8;
+    scales / mins [N, K/group_size] float32 contiguous. The caller checks availability."""
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    _lib.tm_qmm(x.data_ptr(), m, k, w.data_ptr(), scales.data_ptr(),
+                mins.data_ptr() if mins is not None else None, group_size, n, kind,
+                y.data_ptr(), torch.get_num_threads())
+    return y

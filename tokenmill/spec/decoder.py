@@ -1,0 +1,160 @@
+"""SpecDecoder: the runner's handle on speculative decoding. After each step it (1) records
+what the step cost and produced, for the adaptive choice of k and the counters, (2) chooses k
+for the next step and (3) asks the proposer for that many drafts per request.
+
+Timing attribution: a step that verifies drafts is charged its own time (forward + rejection
+sampling) plus the drafting time spent after the previous step to produce those drafts.
+Only steps where every scheduled request was decoding (no prefill chunk) are measured."""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+from tokenmill.config import SpeculativeConfig
+from tokenmill.spec.adaptive import AdaptiveK, FixedK
+from tokenmill.spec.metrics import SpecDecodingStats
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, proposer, max_model_len: int, block_size: int,
+                 k_max: Optional[int] = None) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.k_max = k_max or config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.controller = AdaptiveK(self.k_max) if config.adaptive else FixedK(self.k_max)
+        self.stats = SpecDecodingStats(self.k_max)
+        self._pending: Optional[tuple[int, int, float]] = None   # (batch size, k, draft seconds)
+        self._drafted: set[str] = set()     # requests the proposer may hold state for
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        return self.k_max if self.proposer.needs_lookahead else 0
+
+    def after_step(self, runner, so, inp, hidden: torch.Tensor, out, t_start: float) -> dict:
+        """hidden [num_sample, hidden]: the target's hidden state that produced each sample
+        request's newest token. Returns req_id -> drafts for the next step."""
+        # Forget requests that left the runner (finished, preempted, or dropped while idle)
+        # and requests sent anew (their blocks changed).
+        gone = {r for r in self._drafted if r not in runner.states}
+        gone |= {n.req_id for n in so.scheduled_new_reqs} & self._drafted
+        self.proposer.drop(gone)
+        self._drafted -= gone
+        self._measure(so, inp, out, time.perf_counter() - t_start)
+        index = {req_id: i for i, req_id in enumerate(inp.req_ids)}
+        rows = [b for b, r in enumerate(inp.sample_req_ids)
+                if r not in out.errors and out.sampled_token_ids[index[r]]]
+        if not rows:
+            return {}
+        k = self.controller.choose(len(rows))
+        self.stats.k_chosen[k] = self.stats.k_chosen.get(k, 0) + 1
+        if k == 0:
+            self._pending = (len(rows), 0, 0.0)
+            return {}
+        t0 = time.perf_counter()
+        states = [runner.states[inp.sample_req_ids[b]] for b in rows]
+        caps = [self._cap(s, k) for s in states]
+        drafts = self.proposer.propose(states, caps, hidden[rows])
+        seconds = time.perf_counter() - t0
+        self._drafted.update(s.req_id for s in states)
+        self.stats.draft_time += seconds
+        self._pending = (len(rows), k, seconds)
+        return {s.req_id: d for s, d in zip(states, drafts) if d}
+
+    def _cap(self, state, k: int) -> int:
+        """Drafts a request can take: none past max_model_len, and a lookahead drafter must
+        stay inside the slots the scheduler allocated (it writes positions up to
+        num_tokens + k - 2)."""
+        cap = min(k, self.max_model_len - state.num_tokens - 1)
+        if self.proposer.needs_lookahead:
+            cap = min(cap, len(state.block_ids) * self.block_size - state.num_tokens + 1)
+        return max(cap, 0)
+
+    def _measure(self, so, inp, out, seconds: float) -> None:
+        pending, self._pending = self._pending, None
+        num_drafts = dict(zip(inp.sample_req_ids, inp.num_draft_tokens)) if inp.num_draft_tokens else {}
+        emitted = 0
+        for req_id, tokens in zip(out.req_ids, out.sampled_token_ids):
+            emitted += len(tokens)
+            self.stats.on_verified(num_drafts.get(req_id, 0), len(tokens))
+        if num_drafts:
+            self.stats.num_steps += 1
+            self.stats.verify_time += seconds
+        # Every scheduled request ran exactly its newest token + drafts: no prefill chunk.
+        decode_only = inp.attn_meta.num_tokens == len(inp.sample_req_ids) + sum(inp.num_draft_tokens) \
+            and len(inp.sample_req_ids) == len(inp.req_ids)
+        if pending is None or not decode_only or not emitted:
+            return
+        batch, k, draft_seconds = pending
+        self.controller.record(batch, k, emitted, seconds + draft_seconds)
+
+    def snapshot(self) -> dict:
+        return self.stats.snapshot(self.controller.estimated_speedup())
+
+
+class LayerSkipModel:
+    """The target's first ``num_layers`` decoder layers + its final norm and head: a draft
+    model with no weights of its own."""
+
+    def __init__(self, target, num_layers: int) -> None:
+        self.target, self.num_layers = target, num_layers
+
+    def __call__(self, input_ids, positions, kv_caches, meta, backend) -> torch.Tensor:
+        m = self.target.model
+        x = m.embed_tokens(input_ids)                        # [T, hidden]
+        for layer, kv_cache in zip(m.layers[:self.num_layers], kv_caches):
+            x = layer(positions, x, kv_cache, meta, backend)
+        return m.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.target.compute_logits(hidden)
+
+
+def build_spec_decoder(config: SpeculativeConfig, runner, max_model_len: int, num_blocks: int,
+                       cache_dir: Optional[str] = None) -> SpecDecoder:
+    """Build the proposer named by ``config.method`` around a ModelRunner's target."""
+    from tokenmill.spec.heads import EagleProposer, MedusaProposer, build_eagle, build_medusa
+    from tokenmill.spec.ngram import NgramProposer
+    from tokenmill.spec.paged_draft import PagedDraftProposer
+    target, k = runner.model, config.num_speculative_tokens
+    common = dict(backend=runner.backend, block_size=runner.block_size, device=runner.device)
+    if config.method == "ngram":
+        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+    elif config.method == "layer_skip":
+        n = config.num_layers or max(1, target.args.num_hidden_layers // 4)
+        if n >= target.args.num_hidden_layers:
+            raise ValueError(f"layer_skip num_layers ({n}) must be below the target's "
+                             f"{target.args.num_hidden_layers} layers")
+        proposer = PagedDraftProposer(LayerSkipModel(target, n), runner.kv_caches[:n],
+                                      catch_up=False, **common)
+    elif config.method == "draft_model":
+        draft, caches = _load_draft(config.model, runner, max_model_len, num_blocks, cache_dir)
+        proposer = PagedDraftProposer(draft, caches, catch_up=True, **common)
+    elif config.method == "medusa":
+        heads = build_medusa(config.model, target, k, config.seed, runner.device)
+        k = min(k, heads.num_heads)
+        proposer = MedusaProposer(heads)
+    else:
+        proposer = EagleProposer(build_eagle(config.model, target, config.seed, runner.device),
+                                 target, runner.backend, runner.device)
+    return SpecDecoder(config, proposer, max_model_len, runner.block_size, k_max=k)
+
+
+def _load_draft(path: str, runner, max_model_len: int, num_blocks: int, cache_dir):
+    from tokenmill.models.hub import resolve_model
+    from tokenmill.models.loader import open_checkpoint
+    from tokenmill.runner.kv_tensors import allocate_kv_caches
+    from tokenmill.runner.model_loader import build_model
+    dtype = runner.kv_caches[0][0].dtype
+    draft = build_model(open_checkpoint(resolve_model(path, cache_dir=cache_dir)), runner.device,
+                        dtype, max_model_len)
+    if draft.args.vocab_size != runner.vocab_size:
+        raise ValueError(f"draft model vocabulary ({draft.args.vocab_size}) differs from the "
+                         f"target's ({runner.vocab_size}); they must share the tokenizer")
+    a = draft.args
+    caches = allocate_kv_caches(a.num_hidden_layers, num_blocks, runner.block_size,
+                                a.num_key_value_heads, a.head_dim, dtype, runner.device)
+    return draft, caches

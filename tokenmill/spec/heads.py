@@ -1,0 +1,169 @@
+"""Head-based drafters that read the target's hidden state: Medusa and EAGLE (chains, no
+trees yet). Weights load from a directory (config.json + *.safetensors, names as the
+reference checkpoints); without one the heads are random, which is enough to test exactness.
+
+- Medusa: head i (ResBlocks + a vocab projection) maps the hidden state h that produced the
+  newest token to a guess for the token i + 1 places after it. One pass, no KV.
+- EAGLE: autoregression in feature space. Input at a step: fc([embed(token), feature]) where
+  feature is the target's hidden state for the token's predecessor (then the head's own
+  output); one decoder layer; the target's norm + head give the next draft. This chain
+  attends only within itself (a scratch cache), not to the context: a simplification that
+  costs acceptance with trained heads, never exactness.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import torch
+from torch import nn
+
+from tokenmill.layers.attention.metadata import AttentionMetadata
+from tokenmill.models.llama import LlamaArgs, LlamaDecoderLayer, LlamaForCausalLM
+from tokenmill.models.weights import load_weights
+from tokenmill.layers.rotary import RotaryEmbedding
+
+
+class ResBlock(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [B, hidden]
+        return x + self.act(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int = 1) -> None:
+        super().__init__()
+        self.medusa_head = nn.ModuleList(
+            nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)],
+                          nn.Linear(hidden, vocab, bias=False))
+            for _ in range(num_heads))
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.medusa_head)
+
+
+class MedusaProposer:
+    needs_lookahead = False
+
+    def __init__(self, heads: MedusaHeads) -> None:
+        self.heads = heads
+
+    @torch.inference_mode()
+    def propose(self, states, num_drafts: list[int], hidden: Optional[torch.Tensor]) -> list[list[int]]:
+        k = max(num_drafts, default=0)
+        if k == 0:
+            return [[] for _ in states]
+        guesses = torch.stack([self.heads.medusa_head[i](hidden.float()).argmax(dim=-1)
+                               for i in range(k)], dim=1).tolist()   # [B, k]
+        return [g[:n] for g, n in zip(guesses, num_drafts)]
+
+    def drop(self, req_ids) -> None:
+        pass
+
+
+class EagleHead(nn.Module):
+    def __init__(self, a: LlamaArgs) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2 * a.hidden_size, a.hidden_size)
+        rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(a, rotary, 0)])
+
+    stacked_params = LlamaForCausalLM.stacked_params
+
+
+class EagleProposer:
+    needs_lookahead = False
+
+    def __init__(self, head: EagleHead, target: LlamaForCausalLM, backend, device) -> None:
+        self.head, self.target, self.backend, self.device = head, target, backend, device
+        a = target.args
+        self.block_size = 16
+        self._kv_shape = (a.num_key_value_heads, a.head_dim)
+
+    @torch.inference_mode()
+    def propose(self, states, num_drafts: list[int], hidden: Optional[torch.Tensor]) -> list[list[int]]:
+        rows = [i for i, k in enumerate(num_drafts) if k > 0]
+        drafts: list[list[int]] = [[] for _ in states]
+        if not rows:
+            return drafts
+        k = max(num_drafts[i] for i in rows)
+        cache, tables = self._scratch(len(rows), k)
+        tokens = [states[i].tokens(states[i].num_tokens - 1, states[i].num_tokens)[0] for i in rows]
+        feature = hidden[torch.tensor(rows, device=self.device)]
+        pos0 = torch.tensor([states[i].num_tokens - 1 for i in rows], device=self.device)
+        for step in range(k):
+            meta = AttentionMetadata.build([1] * len(rows), [step + 1] * len(rows), tables,
+                                           self.block_size, self.device)
+            emb = self.target.model.embed_tokens(torch.tensor(tokens, device=self.device))
+            x = self.head.fc(torch.cat([emb, feature.to(emb.dtype)], dim=-1))
+            feature = self.head.layers[0](pos0 + step, x, cache, meta, self.backend)
+            tokens = self.target.compute_logits(self.target.model.norm(feature)).argmax(-1).tolist()
+            for j, i in enumerate(rows):
+                if step < num_drafts[i]:
+                    drafts[i].append(tokens[j])
+        return drafts
+
+    def _scratch(self, num_rows: int, k: int):
+        """A private paged cache for the chains: request j owns blocks [j * nb, (j + 1) * nb)."""
+        nb = -(-k // self.block_size)
+        dtype = self.head.fc.weight.dtype
+        shape = (num_rows * nb, self.block_size) + self._kv_shape
+        cache = (torch.zeros(shape, dtype=dtype, device=self.device),
+                 torch.zeros(shape, dtype=dtype, device=self.device))
+        return cache, [list(range(j * nb, (j + 1) * nb)) for j in range(num_rows)]
+
+    def drop(self, req_ids) -> None:
+        pass
+
+
+def _init_random(module: nn.Module, seed: int, std: float) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * std if p.dim() > 1 else torch.zeros(p.shape))
+
+
+def _read_dir(path: str) -> tuple[dict, list]:
+    from safetensors.torch import load_file
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors file in {path}")
+    tensors = []
+    for name in files:
+        tensors.extend(load_file(os.path.join(path, name)).items())
+    return cfg, tensors
+
+
+def build_medusa(path: Optional[str], target: LlamaForCausalLM, num_heads: int, seed: int,
+                 device) -> MedusaHeads:
+    a = target.args
+    if path is None:
+        heads = MedusaHeads(a.hidden_size, a.vocab_size, num_heads)
+        _init_random(heads, seed, std=0.05)
+        return heads.to(device).eval()
+    cfg, tensors = _read_dir(path)
+    heads = MedusaHeads(a.hidden_size, a.vocab_size, cfg.get("medusa_num_heads", num_heads),
+                        cfg.get("medusa_num_layers", 1))
+    heads.load_state_dict(dict(tensors))
+    return heads.to(device).eval()
+
+
+def build_eagle(path: Optional[str], target: LlamaForCausalLM, seed: int, device) -> EagleHead:
+    head = EagleHead(target.args)
+    if path is None:
+        _init_random(head, seed, std=0.05)
+        for layer in head.layers:   # RMSNorm weights of 0 would zero the layer's input
+            layer.input_layernorm.weight.data.fill_(1.0)
+            layer.post_attention_layernorm.weight.data.fill_(1.0)
+    else:
+        _, tensors = _read_dir(path)
+        load_weights(head, ((n, t) for n, t in tensors if not n.startswith("embed_tokens")))
+    return head.to(device=device, dtype=target.model.embed_tokens.weight.dtype).eval()
