@@ -20,8 +20,13 @@ class ModelConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False
     attention_backend: str = "auto"
+    # Weight quantization: None, "int8", "int4" / "int4-g32|g64|g128", "fp8" (online RTN), or
+    # "gguf" (keep GGUF Q8_0/Q4_0/Q4_1 packed). GPTQ / AWQ / FP8 checkpoints need none.
+    quantization: Optional[str] = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and not isinstance(self.quantization, str):
+            raise ValueError(f"quantization must be a string or None, got {self.quantization!r}")
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty name or path")
         if self.dtype not in _DTYPES:

@@ -36,7 +36,8 @@ class LLMEngine:
         self.max_model_len = _decide_max_model_len(mc.max_model_len, hf)
         self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(self.model_path)
         torch.manual_seed(mc.seed)
-        self.model = build_model(checkpoint, self.device, self.dtype, self.max_model_len)
+        self.model = build_model(checkpoint, self.device, self.dtype, self.max_model_len,
+                                 quantization=mc.quantization)
         self.weight_bytes = sum(p.numel() * p.element_size()
                                 for p in {id(p): p for p in self.model.parameters()}.values())
         a = self.model.args
@@ -64,6 +65,8 @@ class LLMEngine:
                     priority: int = 0, cache_salt: Optional[str] = None) -> str:
         """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
         request_id = request_id if request_id is not None else self.processor.next_request_id()
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError("cache_salt must be a string")
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         text, prompt_ids = self.processor.tokenize_prompt(prompt)
@@ -124,8 +127,10 @@ class LLMEngine:
 
     # -- introspection ----------------------------------------------------------------------
     def get_stats(self) -> dict:
-        stats = self.stats.snapshot(self.scheduler.num_preemptions,
-                                    self.scheduler.kv.prefix_stats.hit_rate)
+        prefix = self.scheduler.kv.prefix_stats
+        stats = self.stats.snapshot(self.scheduler.num_preemptions, prefix.hit_rate)
+        stats["prefix_cache_queries"] = prefix.num_queries
+        stats["prefix_cache_hits"] = prefix.num_hits
         if self.runner.spec is not None:
             stats.update(self.runner.spec.snapshot())
         return stats

@@ -149,11 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_bench_parsers(sub) -> None:
-    from tokenmill.bench import latency, throughput
+    from tokenmill.bench import latency, prefix, throughput
     bench = sub.add_parser("bench", help="benchmarks (ratios measured in one run)")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)
+    prefix.add_parser(bench_sub)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -23,11 +23,13 @@ class LLM:
                  cache_dir: Optional[str] = None,
                  speculative_config: Union[None, dict, SpeculativeConfig] = None,
                  speculative_model: Optional[str] = None,
-                 num_speculative_tokens: Optional[int] = None) -> None:
+                 num_speculative_tokens: Optional[int] = None,
+                 quantization: Optional[str] = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               skip_tokenizer_init=skip_tokenizer_init,
-                              attention_backend=attention_backend),
+                              attention_backend=attention_backend,
+                              quantization=quantization),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization,
@@ -108,7 +110,8 @@ class LLM:
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
-                ids.append(self.engine.add_request(None, prompt, p,
+                salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+                ids.append(self.engine.add_request(None, prompt, p, cache_salt=salt,
                                                    priority=priority[i] if priority else 0))
         except Exception:
             for request_id in ids:   # all or nothing: a bad prompt queues none of the batch

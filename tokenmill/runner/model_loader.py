@@ -1,21 +1,30 @@
 """Checkpoint -> ready model on a device."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from tokenmill.layers.quant import (attach_quantization, checkpoint_tensors,
+                                    process_weights_after_loading, resolve_quant_spec)
 from tokenmill.models.registry import model_class
 from tokenmill.models.weights import load_weights
 
 
 def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
-                max_model_len: int) -> torch.nn.Module:
+                max_model_len: int, quantization: Optional[str] = None) -> torch.nn.Module:
+    """``quantization``: None / "int8" / "int4[-gN]" / "fp8" / "gguf"; a quantized
+    checkpoint (GPTQ, AWQ, FP8 config) brings its own scheme."""
     cfg = dict(checkpoint.hf_config)
     # RoPE tables only need to cover the context we serve.
     cfg["max_position_embeddings"] = max(max_model_len, 1)
     cls = model_class(cfg)
     with torch.device(device):
         model = cls(cfg)
-    load_weights(model, checkpoint.iter_tensors())
+    spec = resolve_quant_spec(quantization, checkpoint)
+    plan = attach_quantization(model, spec)   # strategies create their parameters
+    load_weights(model, checkpoint_tensors(checkpoint, spec, plan))
     model.to(dtype=dtype)
+    process_weights_after_loading(model)      # strategies repack what they loaded
     model.eval()
     return model

@@ -98,13 +98,13 @@ def server(async_engine):
 @pytest.fixture(scope="session")
 def tiny_chat_model_dir(tmp_path_factory, smollm2_path):
     """A tiny random Llama (fast: milliseconds per step) that speaks SmolLM2's tokenizer and
-    chat template, so chat routes work end to end; max 128 positions bounds every generation."""
+    chat template, so chat routes work end to end; max 64 positions bounds every generation."""
     from tests.conftest import save_tiny_llama
     from tokenmill.models.loader import load_tokenizer
 
     tok = load_tokenizer(smollm2_path)
     path = tmp_path_factory.mktemp("tiny_chat_llama")
-    save_tiny_llama(path, vocab_size=tok.vocab_size, max_position_embeddings=128,
+    save_tiny_llama(path, vocab_size=tok.vocab_size, max_position_embeddings=64,
                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None)
     tok.backend.save(str(path / "tokenizer.json"))
     with open(path / "tokenizer_config.json", "w") as f:

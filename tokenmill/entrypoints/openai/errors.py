@@ -65,9 +65,17 @@ def from_value_error(e: ValueError, params: Sequence[str], default: Optional[str
     return bad_request(msg, name or default)
 
 
+# pydantic names the union member it tried inside ``loc`` ("str", "list[TextPart]", ...).
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
+
+
 def _loc_to_param(loc: Sequence) -> Optional[str]:
-    parts = [str(p) for p in loc if p != "body"]
+    parts = [str(p) for p in loc if p != "body" and not _is_type_tag(p)]
     return ".".join(parts) if parts else None
+
+
+def _is_type_tag(part) -> bool:
+    return isinstance(part, str) and (part in _TYPE_TAGS or any(c in part for c in "[-("))
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -87,10 +87,12 @@ def dequantize_stored(p: Packed) -> torch.Tensor:
         values = unpack_int4(p.qweight).float()
     else:
         raise ValueError(f"unknown packed kind {p.kind!r}")
-    w = values * _expand(p.scales, p.group_size)
+    n, k = values.shape
+    groups = values.view(n, k // p.group_size, p.group_size)   # broadcast, no repeat copies
+    w = groups * p.scales.unsqueeze(2)
     if p.mins is not None:
-        w = w + _expand(p.mins, p.group_size)
-    return w
+        w += p.mins.unsqueeze(2)
+    return w.view(n, k)
 
 
 # -- RTN quantizers ---------------------------------------------------------------------------

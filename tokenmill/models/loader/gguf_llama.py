@@ -152,12 +152,15 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
         raise CheckpointError(f"{path}: partial rotary ({rope_dims} of {head_dim} dims) is not supported")
     if num_heads % num_kv_heads:
         raise CheckpointError(f"{path}: {num_heads} heads is not a multiple of {num_kv_heads} KV heads")
+    num_layers = _get(md, p + "block_count", path)
+    if num_layers > len(gguf.tensors):  # checked before anything is sized by it
+        raise CheckpointError(f"{path}: {len(gguf.tensors)} tensors cannot hold {num_layers} layers")
     spec = ARCHS[arch]
     cfg = {
         "architectures": [spec.hf_architecture],
         "model_type": spec.model_type,
         "hidden_size": hidden,
-        "num_hidden_layers": _get(md, p + "block_count", path),
+        "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads,
         "num_key_value_heads": num_kv_heads,
         "head_dim": head_dim,

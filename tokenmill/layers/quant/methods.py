@@ -1,0 +1,130 @@
+"""Linear quantization strategies: how a ``Linear`` creates, post-processes and applies its
+weights. Model files never see them; ``attach_quantization`` sets one on each layer.
+
+Protocol (called in this order):
+  create_weights(layer)                  register the parameters the checkpoint will fill,
+                                         each with ``weight_loader`` and, for fused layers,
+                                         ``output_dim`` / ``output_pack`` (how shards stack)
+  process_weights_after_loading(layer)   turn loaded tensors into the execution format
+  apply(layer, x, bias)                  x [T, in] -> [T, out]
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers.quant import formats
+from tokenmill.layers.quant.formats import Packed
+from tokenmill.layers.quant.matmul import DEFAULT_KERNEL_MAX_ROWS, packed_linear
+
+
+def new_param(layer: nn.Module, name: str, tensor: torch.Tensor, output_dim: Optional[int] = 0,
+              output_pack: int = 1) -> nn.Parameter:
+    """Register a frozen parameter that loads through the layer's ``weight_loader``.
+    ``output_dim``: the dim fused shards stack along (None: every shard holds the whole
+    tensor); ``output_pack``: output rows per stored element along that dim."""
+    param = nn.Parameter(tensor, requires_grad=False)
+    param.output_dim = output_dim
+    param.output_pack = output_pack
+    param.weight_loader = layer.weight_loader
+    layer.register_parameter(name, param)
+    layer.quant_param_names.append(name)
+    return param
+
+
+def set_packed(layer: nn.Module, parts: list[Packed]) -> None:
+    """Replace the layer's quantization parameters by packed parts (outputs concatenate)."""
+    for name in layer.quant_param_names:
+        delattr(layer, name)
+    layer.quant_param_names = []
+    for i, part in enumerate(parts):
+        suffix = "" if len(parts) == 1 else f"_{i}"
+        for key, tensor in part.tensors().items():
+            new_param(layer, key + suffix, tensor, output_dim=None)
+    layer.packed = parts
+
+
+class LinearMethod:
+    """Base strategy: subclasses fill in the three protocol methods."""
+
+    name = "base"
+
+    def create_weights(self, layer: nn.Module) -> None:
+        raise NotImplementedError
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    name = "none"
+
+    def create_weights(self, layer: nn.Module) -> None:
+        new_param(layer, "weight", torch.empty(layer.out_features, layer.in_features,
+                                               dtype=layer.params_dtype))
+
+    def apply(self, layer, x, bias):
+        return F.linear(x, layer.weight, bias)
+
+
+class PackedLinearMethod(LinearMethod):
+    """Shared execution of packed weights; ``use_kernel=False`` forces the reference path."""
+
+    def __init__(self, use_kernel: bool = True, kernel_max_rows: int = DEFAULT_KERNEL_MAX_ROWS):
+        self.use_kernel = use_kernel
+        self.kernel_max_rows = kernel_max_rows
+
+    def apply(self, layer, x, bias):
+        parts = layer.packed
+        ys = [packed_linear(x, p, None, self.use_kernel, self.kernel_max_rows) for p in parts]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        if bias is not None:
+            y = y + bias
+        return y.to(x.dtype)
+
+
+class OnlineQuantMethod(PackedLinearMethod):
+    """Float weights load as usual, then round-to-nearest quantization after loading."""
+
+    def create_weights(self, layer):
+        UnquantizedLinearMethod().create_weights(layer)
+
+    def process_weights_after_loading(self, layer):
+        set_packed(layer, [self.quantize(layer.weight.data)])
+
+    def quantize(self, w: torch.Tensor) -> Packed:
+        raise NotImplementedError
+
+
+class Int8Method(OnlineQuantMethod):
+    """RTN INT8, per-channel symmetric."""
+    name = "int8"
+
+    def quantize(self, w):
+        return formats.quantize_int8(w)
+
+
+class Int4Method(OnlineQuantMethod):
+    """RTN INT4, group-wise asymmetric (integer zero points, as GPTQ/AWQ store them)."""
+    name = "int4"
+
+    def __init__(self, group_size: int = 64, **kw):
+        super().__init__(**kw)
+        self.group_size = group_size
+
+    def quantize(self, w):
+        return formats.quantize_int4(w, formats.pick_group_size(w.shape[1], self.group_size))
+
+
+class FP8Method(OnlineQuantMethod):
+    """FP8 E4M3 weights with per-channel scales, emulated (expanded in registers) on CPU."""
+    name = "fp8"
+
+    def quantize(self, w):
+        return formats.quantize_fp8(w)
