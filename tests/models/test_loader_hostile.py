@@ -131,10 +131,10 @@ def _tiny_llama_checkpoint(tmp_path, mutate):
 
 @pytest.mark.parametrize("mutate,message", [
     (lambda s: s.pop("model.layers.0.mlp.up_proj.weight"), "model.layers.0.mlp.up_proj.weight"),
-    (lambda s: s.update({"model.layers.0.self_attn.k_proj.weight": s["model.layers.0.self_attn.q_proj.weight"]}),
+    (lambda s: s.update({"model.layers.0.self_attn.k_proj.weight": s["model.layers.0.self_attn.q_proj.weight"].clone()}),
      "model.layers.0.self_attn.k_proj.weight"),
     (lambda s: s.update({"model.norm.weight": s["model.norm.weight"][:8]}), "model.norm.weight"),
-    (lambda s: s.update({"model.layers.7.mlp.up_proj.weight": s["model.layers.0.mlp.up_proj.weight"]}),
+    (lambda s: s.update({"model.layers.7.mlp.up_proj.weight": s["model.layers.0.mlp.up_proj.weight"].clone()}),
      "model.layers.7.mlp.up_proj.weight"),
 ])
 def test_tensors_not_fitting_the_config_name_the_tensor(tmp_path, mutate, message):
@@ -155,7 +155,7 @@ def _valid_gguf() -> bytes:
 VALID = _valid_gguf()
 
 
-@settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(edits=st.lists(st.tuples(st.integers(0, len(VALID) - 1), st.integers(0, 255)), max_size=8),
        cut=st.integers(0, len(VALID)), insert=st.binary(max_size=16), at=st.integers(0, len(VALID)))
 def test_fuzz_gguf_reader(edits, cut, insert, at):

@@ -82,6 +82,7 @@ class ModelRunner:
         inp = build_model_input(so.num_scheduled_tokens, self.states, self.block_size, self.device)
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta, self.backend)
         out = ModelRunnerOutput(req_ids=inp.req_ids, sampled_token_ids=[[] for _ in inp.req_ids])
+        _flag_nonfinite(hidden, inp, out)
         self._prompt_logprobs(hidden, inp, out)
         last_rows = inp.logits_indices   # per sample request: hidden row of its newest token
         if inp.sample_req_ids:
@@ -176,6 +177,19 @@ class ModelRunner:
             entries = [_position_logprobs(lp, r, num_top) for r in range(len(sl.next_token_ids))]
             # Entry k describes the prompt token at position first_position + 1 + k.
             out.prompt_logprobs[sl.req_id] = (sl.first_position + 1, entries)
+
+
+def _flag_nonfinite(hidden: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput) -> None:
+    """A request whose hidden states went NaN/inf in any chunk fails (only it), so its KV
+    blocks are never published to the prefix cache. hidden [T, H]; one reduction per step."""
+    row_ok = torch.isfinite(hidden.sum(dim=-1))
+    if bool(row_ok.all()):
+        return
+    start = 0
+    for req_id, n in zip(inp.req_ids, inp.attn_meta.query_lens):
+        if not bool(row_ok[start:start + n].all()):
+            out.errors[req_id] = "the model produced non-finite activations (NaN or inf)"
+        start += n
 
 
 def _position_logprobs(lp, row: int, num_top: int) -> dict:

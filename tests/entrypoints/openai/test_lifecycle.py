@@ -57,7 +57,8 @@ def test_overload_is_503_with_retry_after(server, async_engine):
     try:
         with requests.post(server.url + "/v1/completions", json=dict(LONG, stream=True),
                            stream=True, timeout=60) as held:
-            next(held.iter_lines())
+            lines = held.iter_lines()   # keep a reference: a collected iterator closes the socket
+            next(lines)
             r = requests.post(server.url + "/v1/completions", timeout=30,
                               json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2})
             assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
