@@ -7,7 +7,9 @@ import json
 import os
 import sys
 
-from tests.models.smollm2_reference import hf_continuation, load_hf
+import torch
+
+from tests.models.smollm2_reference import load_hf
 
 REFERENCE_PATH = os.path.join(os.path.dirname(__file__), "..", "data", "gemma3_reference.json")
 NUM_TOKENS = 64
@@ -27,6 +29,18 @@ TEXTS = [
     "  two  spaces   three", "I'm sure they'll say it's fine, won't they?", "a" * 50,
     "\u0000\u0001 control \u007f", "ﬁ ligature Ⅻ", "<unused5> <mask>", "[multimodal]x",
 ]
+
+
+def hf_continuation(model, prompt_ids, num_tokens=NUM_TOKENS):
+    """Greedy tokens and their logprobs from HF ``generate`` (KV cache on: with a 262k
+    vocabulary, recomputing every position's logits each step takes many minutes)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=num_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True, attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    logprobs = [float(torch.log_softmax(step[0].float(), -1)[tok]) for step, tok in zip(out.logits, tokens)]
+    return tokens, logprobs
 
 
 def main():

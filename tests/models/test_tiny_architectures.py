@@ -33,13 +33,14 @@ ARCHS = {
 }
 
 
-def _randomize_norms(model):
-    """HF initialises norms to 1 (or 0 for Gemma); random ones catch a misrouted norm."""
+def _randomize_norms_and_biases(model):
+    """HF initialises norms to 1 (Gemma: 0, it stores w - 1) and biases to 0; random ones
+    catch a misrouted norm or a dropped bias. Values stay around the initial ones."""
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (1.0 if "norm" in name and "gemma" not in type(model).__name__.lower() else 0.0))
+                p.add_(torch.randn(p.shape, generator=gen) * 0.3)
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))
@@ -49,7 +50,7 @@ def tiny(request, tmp_path_factory):
     cfg = getattr(transformers, config_cls)(**{**COMMON, **extra})
     torch.manual_seed(0)
     hf = getattr(transformers, model_cls)(cfg).float().eval()
-    _randomize_norms(hf)
+    _randomize_norms_and_biases(hf)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path, safe_serialization=True)
     hf = getattr(transformers, model_cls).from_pretrained(path, dtype=torch.float32).eval()

@@ -18,21 +18,23 @@ NUM_SAMPLES = 1500
 PROMPT_FOR = {"ngram": list(range(3, 384))}
 
 
-def exact(hf, PROMPT):
+def exact(hf, prompt):
     """p(t1), p(t2) marginal, and a function giving p(t3 | t1, t2), all float64."""
     with torch.no_grad():
-        p1 = torch.softmax(tiny_llama_hf(torch.tensor([PROMPT])).logits[0, -1].double(), -1)
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)
         V = p1.numel()
-        seqs = torch.tensor([PROMPT + [t] for t in range(V)])
-        p2_given = torch.softmax(tiny_llama_hf(seqs).logits[:, -1].double(), -1)   # [V, V]
+        seqs = torch.tensor([prompt + [t] for t in range(V)])
+        p2_given = torch.softmax(hf(seqs).logits[:, -1].double(), -1)   # [V, V]
 
         def p3(t1, t2):
-            logits = tiny_llama_hf(torch.tensor([PROMPT + [t1, t2]])).logits[0, -1]
+            logits = hf(torch.tensor([prompt + [t1, t2]])).logits[0, -1]
             return torch.softmax(logits.double(), -1)
     return p1, p1 @ p2_given, p3
 
 
-@pytest.mark.parametrize("method", list(METHODS))
+# One method in the default run; all of them under -m slow (each takes ~20 s on 2 quiet cores).
+@pytest.mark.parametrize("method", [m if m == "layer_skip" else pytest.param(m, marks=pytest.mark.slow)
+                                    for m in METHODS])
 def test_spec_sampling_matches_target_distribution(tiny_llama_dir, tiny_llama_hf, method, tmp_path):
     from tests.conftest import save_tiny_llama
     prompt = PROMPT_FOR.get(method, PROMPTS[1])

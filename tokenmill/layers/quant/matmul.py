@@ -16,7 +16,7 @@ from tokenmill.layers.quant import kernels
 from tokenmill.layers.quant.formats import Packed, dequantize_stored
 
 _KINDS = {"i8": kernels.KIND_I8, "i4": kernels.KIND_I4, "f8": kernels.KIND_F8}
-_MIN_GROUP = {"i8": 8, "f8": 8, "i4": 32}   # the kernel's vector width per format
+_MIN_GROUP = {"i8": 32, "f8": 32, "i4": 32}   # the kernel steps 32 values at a time
 
 DEFAULT_KERNEL_MAX_ROWS = 16
 

@@ -41,57 +41,69 @@ static inline __m256 load_f8(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_or_si128(mag, sign));
 }
 
-/* One weight row against mb rows of x, int8 or fp8 values (kind 0 = i8, 2 = f8). */
-static void row_8bit(const float *x, int64_t ldx, int mb, int64_t K, const uint8_t *w,
-                     const float *scale, int64_t G, int kind, float *out) {
-    __m256 acc[MB], part[MB];
-    for (int m = 0; m < mb; m++) acc[m] = _mm256_setzero_ps();
-    for (int64_t g0 = 0; g0 < K; g0 += G) {
-        for (int m = 0; m < mb; m++) part[m] = _mm256_setzero_ps();
-        for (int64_t k = g0; k < g0 + G; k += 8) {
-            __m256 wv = kind == 0 ? load_i8((const int8_t *)w + k) : load_f8(w + k);
-            for (int m = 0; m < mb; m++)
-                part[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * ldx + k), wv, part[m]);
-        }
-        __m256 s = _mm256_set1_ps(scale[g0 / G] * (kind == 2 ? 256.0f : 1.0f));
-        for (int m = 0; m < mb; m++) acc[m] = _mm256_fmadd_ps(s, part[m], acc[m]);
+#define INLINE static inline __attribute__((always_inline))
+
+/* Four weight vectors (32 values) of one row at column k, expanded to fp32. */
+INLINE void load32(const uint8_t *w, int64_t k, int kind, __m256 v[4]) {
+    if (kind == 1) {   /* int4: 16 bytes, low nibbles = values 0..15, high = 16..31 */
+        const __m128i low = _mm_set1_epi8(0x0F);
+        __m128i b = _mm_loadu_si128((const __m128i *)(w + k / 2));
+        __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+        v[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        v[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        v[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        v[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    } else {
+        for (int j = 0; j < 4; j++)
+            v[j] = kind == 0 ? load_i8((const int8_t *)w + k + 8 * j) : load_f8(w + k + 8 * j);
     }
-    for (int m = 0; m < mb; m++) out[m] = hsum(acc[m]);
 }
 
-/* One int4 weight row against mb rows of x; xsum[m, g] = sum of x over group g. */
-static void row_i4(const float *x, int64_t ldx, int mb, int64_t K, const uint8_t *qs,
-                   const float *scale, const float *mins, int64_t G, const float *xsum,
-                   int64_t ngroups, float *out) {
-    __m256 acc[MB], part[MB];
-    float lin[MB];
-    const __m128i low = _mm_set1_epi8(0x0F);
-    for (int m = 0; m < mb; m++) { acc[m] = _mm256_setzero_ps(); lin[m] = 0.0f; }
+/* One weight row against mb (a compile-time 1, 2 or 4) rows of x. The four products of a
+ * 32-value step go to 4/mb independent chains per row so that FMA latency, not only
+ * throughput, is hidden when mb is small. xsum / mins: the int4 affine term. */
+INLINE void row_dot(const float *x, int64_t ldx, const int mb, int64_t K, const uint8_t *w,
+                    const float *scale, const float *mins, int64_t G, int kind,
+                    const float *xsum, float *out) {
+    const int chains = 4 / mb;
+    const int64_t ngroups = K / G;
+    __m256 acc[4], part[4][4], v[4];
+    float lin[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const float fold = kind == 2 ? 256.0f : 1.0f;   /* see load_f8 */
+    for (int m = 0; m < mb; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < ngroups; g++) {
-        for (int m = 0; m < mb; m++) part[m] = _mm256_setzero_ps();
+        for (int m = 0; m < mb; m++)
+            for (int c = 0; c < chains; c++) part[m][c] = _mm256_setzero_ps();
         for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
-            __m128i b = _mm_loadu_si128((const __m128i *)(qs + k / 2));
-            __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-            __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-            __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-            __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-            __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-            for (int m = 0; m < mb; m++) {
-                const float *xp = x + m * ldx + k;
-                __m256 p = _mm256_fmadd_ps(_mm256_loadu_ps(xp), w0, part[m]);
-                p = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 8), w1, p);
-                p = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 16), w2, p);
-                part[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xp + 24), w3, p);
-            }
+            load32(w, k, kind, v);
+            for (int m = 0; m < mb; m++)
+                for (int j = 0; j < 4; j++)
+                    part[m][j % chains] = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(x + m * ldx + k + 8 * j), v[j], part[m][j % chains]);
         }
-        __m256 s = _mm256_set1_ps(scale[g]);
+        __m256 s = _mm256_set1_ps(scale[g] * fold);
         for (int m = 0; m < mb; m++) {
-            acc[m] = _mm256_fmadd_ps(s, part[m], acc[m]);
-            lin[m] += mins[g] * xsum[m * ngroups + g];
+            __m256 p = part[m][0];
+            for (int c = 1; c < chains; c++) p = _mm256_add_ps(p, part[m][c]);
+            acc[m] = _mm256_fmadd_ps(s, p, acc[m]);
+            if (kind == 1) lin[m] += mins[g] * xsum[m * ngroups + g];
         }
     }
     for (int m = 0; m < mb; m++) out[m] = hsum(acc[m]) + lin[m];
 }
+
+/* The kind switch sits outside the row loop so each instance is specialised. */
+#define ROWS(KIND)                                                                          \
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {                                                 \
+        int mb = M - m0 < MB ? (int)(M - m0) : MB;                                          \
+        const float *xm = x + m0 * K, *xs = xsum ? xsum + m0 * ngroups : NULL;              \
+        if (mb == 4) row_dot(xm, K, 4, K, wr, sr, mr, G, KIND, xs, out);                    \
+        else if (mb >= 2) { row_dot(xm, K, 2, K, wr, sr, mr, G, KIND, xs, out);             \
+            if (mb == 3) row_dot(xm + 2 * K, K, 1, K, wr, sr, mr, G, KIND,                   \
+                                 xs ? xs + 2 * ngroups : NULL, out + 2); }                  \
+        else row_dot(xm, K, 1, K, wr, sr, mr, G, KIND, xs, out);                            \
+        for (int m = 0; m < mb; m++) y[(m0 + m) * N + n] = out[m];                           \
+    }
 
 /* kind: 0 = i8, 1 = i4, 2 = f8. w points at row 0; row n starts at w + n * row_bytes. */
 void tm_qmm(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale,
@@ -110,16 +122,9 @@ void tm_qmm(const float *x, int64_t M, int64_t K, const uint8_t *w, const float 
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t n = 0; n < N; n++) {
         float out[MB];
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-            int mb = M - m0 < MB ? (int)(M - m0) : MB;
-            if (kind == 1)
-                row_i4(x + m0 * K, K, mb, K, w + n * row_bytes, scale + n * ngroups,
-                       mins + n * ngroups, G, xsum + m0 * ngroups, ngroups, out);
-            else
-                row_8bit(x + m0 * K, K, mb, K, w + n * row_bytes, scale + n * ngroups, G,
-                         kind, out);
-            for (int m = 0; m < mb; m++) y[(m0 + m) * N + n] = out[m];
-        }
+        const uint8_t *wr = w + n * row_bytes;
+        const float *sr = scale + n * ngroups, *mr = mins ? mins + n * ngroups : NULL;
+        if (kind == 0) { ROWS(0) } else if (kind == 1) { ROWS(1) } else { ROWS(2) }
     }
     free(xsum);
 }

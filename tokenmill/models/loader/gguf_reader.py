@@ -170,7 +170,33 @@ def _read_array(cur: _Cursor, key: str, depth: int) -> list:
         return (values != 0).tolist() if elem_type == 7 else values.tolist()
     # Strings take >= 8 bytes, nested arrays >= 12: bound the count before looping.
     cur.need(count * 8, f"array {key!r} of {count} items")
+    if elem_type == _STRING:
+        return _read_string_array(cur, count, key)
     return [_read_value(cur, elem_type, key, depth + 1) for _ in range(count)]
+
+
+def _read_string_array(cur: _Cursor, count: int, key: str) -> list[str]:
+    """A string array (vocabularies: 100k+ entries) without per-item method calls; same
+    checks as ``_Cursor.string``."""
+    view, pos, end = memoryview(cur.buf), cur.pos, cur.end
+    out = []
+    try:
+        for _ in range(count):
+            if pos + 8 > end:
+                break
+            length = int.from_bytes(view[pos:pos + 8], "little")
+            pos += 8
+            if length > end - pos:
+                break
+            out.append(str(view[pos:pos + length], "utf-8"))
+            pos += length
+    except UnicodeDecodeError:
+        cur.pos = pos
+        raise cur.fail(f"item {len(out)} of array {key!r} is not valid UTF-8") from None
+    cur.pos = pos
+    if len(out) < count:
+        raise cur.fail(f"truncated file: array {key!r} ends after {len(out)} of {count} strings")
+    return out
 
 
 def _alignment(metadata: dict[str, Any], path: str) -> int:

@@ -66,6 +66,12 @@ def _fill_defaults(config: dict[str, Any], directory: str) -> None:
             config.setdefault("rope_scaling", rope)
     config.setdefault("rope_theta", 10000.0)
     config.setdefault("rope_scaling", None)
+    scaling = config["rope_scaling"]
+    if isinstance(scaling, dict) and scaling.get("original_max_position_embeddings") is None \
+            and scaling.get("rope_type", scaling.get("type")) in ("yarn", "llama3"):
+        # As in HF: the checkpoint's context is the "original" one. Pinned here because the
+        # runner later overwrites max_position_embeddings with the served max_model_len.
+        config["rope_scaling"] = {**scaling, "original_max_position_embeddings": config.get("max_position_embeddings", 2048)}
     config.setdefault("rms_norm_eps", 1e-6)
     config.setdefault("tie_word_embeddings", False)
     config.setdefault("attention_bias", False)

@@ -1,0 +1,117 @@
+"""`tokenmill bench quant`: decode (batch 1 and 16) and prefill speed of quantized weights vs
+float32, every scheme loaded in one process and timed step by step in turn (interleaved), so
+a load change on this shared machine hits all schemes alike. Ratios are vs "none" (fp32).
+
+    python -m tokenmill.bench.quant --schemes none,int8,int4,gguf --num-threads 1
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from tokenmill.bench.common import emit, machine_info, measure_bandwidth_gbps, random_prompts
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("quant", help="quantized vs fp32 decode / prefill speed, one run")
+    _args(p)
+    p.set_defaults(func=run)
+
+
+def _args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--schemes", default="none,int8,int4,gguf",
+                   help="comma list of quantization values; 'none' is the fp32 baseline")
+    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--prefill-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=15, help="timed decode steps per scheme")
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--json", default=None)
+
+
+def _engines(args) -> dict:
+    from tokenmill import LLM
+    engines = {}
+    for scheme in args.schemes.split(","):
+        llm = LLM(model=args.model, quantization=None if scheme == "none" else scheme,
+                  num_threads=args.num_threads, skip_tokenizer_init=True, num_kv_blocks=512,
+                  max_model_len=1024, max_num_batched_tokens=max(args.prefill_len, 256) + 16,
+                  enable_prefix_caching=False)
+        engines[scheme] = llm.engine
+    return engines
+
+
+def _decode(engines: dict, batch: int, args) -> dict:
+    """Median seconds of one decode step with ``batch`` running requests, interleaved."""
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
+    for engine in engines.values():
+        vocab = engine.model.args.vocab_size
+        for prompt in random_prompts(batch, args.prompt_len, vocab, seed=batch):
+            engine.add_request(None, prompt, params)
+        for _ in range(3):        # prefill (one step covers it) + warm-up decode steps
+            engine.step()
+    times = {name: [] for name in engines}
+    for _ in range(args.steps):
+        for name, engine in engines.items():
+            t = time.perf_counter()
+            engine.step()
+            times[name].append(time.perf_counter() - t)
+    for engine in engines.values():
+        while engine.has_unfinished_requests():
+            engine.step()
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _prefill(engines: dict, args, repeats: int = 3) -> dict:
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    times = {name: [] for name in engines}
+    for r in range(repeats + 1):
+        for name, engine in engines.items():
+            prompt = random_prompts(1, args.prefill_len, engine.model.args.vocab_size, seed=100 + r)[0]
+            engine.add_request(None, prompt, params)
+            t = time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+            if r:                 # round 0 is the warm-up
+                times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def run(args) -> int:
+    engines = _engines(args)
+    bandwidth = measure_bandwidth_gbps()
+    result = {"machine": machine_info(), "bandwidth_gbps": round(bandwidth, 1), "schemes": {}}
+    for name, engine in engines.items():
+        result["schemes"][name] = {"weight_bytes": engine.weight_bytes,
+                                   "decode_floor_ms": round(engine.weight_bytes / bandwidth / 1e6, 2)}
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        step = _decode(engines, batch, args)
+        base = step.get("none")
+        for name, s in step.items():
+            row = result["schemes"][name]
+            row[f"decode_b{batch}_tok_s"] = round(batch / s, 1)
+            if base:
+                row[f"decode_b{batch}_x_fp32"] = round(base / s, 2)
+    prefill = _prefill(engines, args)
+    for name, s in prefill.items():
+        row = result["schemes"][name]
+        row["prefill_tok_s"] = round(args.prefill_len / s, 1)
+        if "none" in prefill:
+            row["prefill_x_fp32"] = round(prefill["none"] / s, 2)
+    result["machine_after"] = machine_info()
+    emit(result, args.json)
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    _args(p)
+    return run(p.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
