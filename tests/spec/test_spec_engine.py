@@ -59,7 +59,11 @@ def test_greedy_equals_plain_in_mixed_batch(tiny_llama_dir, draft_dir, plain, me
     assert stats["spec_num_drafts"] > 0 and stats["spec_num_draft_tokens"] >= stats["spec_num_drafts"]
     assert stats["spec_mean_acceptance_length"] >= 1.0
     assert sum(stats["spec_accepted_per_position"]) == stats["spec_num_accepted_tokens"]
-    # chunked prefill + a pool small enough to preempt, on the same engine settings
+
+
+@pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft_model"])
+def test_greedy_equals_plain_with_chunking_and_preemption(tiny_llama_dir, draft_dir, plain, method):
+    ref = run(plain, PROMPTS, greedy())
     small = spec_llm(tiny_llama_dir, draft_dir, method, num_kv_blocks=14,
                      max_num_batched_tokens=24, max_num_seqs=8)
     assert run(small, PROMPTS, greedy()) == ref

@@ -76,7 +76,7 @@ class AsyncEngine:
     """``build`` is called in the engine thread and returns an LLMEngine.
 
     ``max_pending`` bounds requests accepted but not finished (running + queued); beyond it
-    ``generate`` raises EngineOverloadedError so the server can answer 503.
+    ``add`` raises EngineOverloadedError so the server can answer 503.
     """
 
     def __init__(self, build: Callable[[], object], max_pending: Optional[int] = None) -> None:
@@ -176,10 +176,11 @@ class AsyncEngine:
 
     def _loop(self) -> None:
         while True:
-            idle = not self.engine.has_unfinished_requests()
+            # A dead engine never steps again: wait for commands instead of spinning.
+            idle = self.dead_error is not None or not self.engine.has_unfinished_requests()
             if not self._run_commands(block=idle):
                 return
-            if self.engine.has_unfinished_requests() and self.dead_error is None:
+            if self.dead_error is None and self.engine.has_unfinished_requests():
                 self._step()
 
     def _run_commands(self, block: bool) -> bool:

@@ -155,6 +155,8 @@ def _add_bench_parsers(sub) -> None:
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)
     prefix.add_parser(bench_sub)
+    from tokenmill.bench.serve import add_bench_serve_parser
+    add_bench_serve_parser(bench_sub)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -21,8 +21,8 @@ class ChiSquareResult:
 def chi_square_gof(counts, expected_probs, min_expected: float = 5.0) -> ChiSquareResult:
     """Pearson chi-square of observed ``counts`` [V] against ``expected_probs`` [V]. Cells with
     expected count below ``min_expected`` are pooled into one (the test's usual validity rule)."""
-    counts = torch.as_tensor(counts, dtype=torch.float64)
-    probs = torch.as_tensor(expected_probs, dtype=torch.float64)
+    counts = torch.as_tensor(counts, dtype=torch.float64).detach()
+    probs = torch.as_tensor(expected_probs, dtype=torch.float64).detach()
     probs = probs / probs.sum()
     n = counts.sum()
     expected = probs * n

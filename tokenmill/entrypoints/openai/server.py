@@ -12,8 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 import tokenmill
 from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.entrypoints.openai.errors import (bad_request, error_body, error_response,
-                                                 install_handlers)
+from tokenmill.entrypoints.openai.errors import bad_request, error_body, install_handlers
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
                                                    DetokenizeRequest, TokenizeRequest)
@@ -203,6 +202,3 @@ def _ready_tokenizer(serving: CompletionServing, model: Optional[str]):
     if serving.engine.tokenizer is None:
         raise bad_request("this model was loaded without a tokenizer", "model")
     return serving.engine.tokenizer
-
-
-__all__ = ["build_app", "ServerState", "AUTH_ALLOW_LIST", "error_response"]

@@ -128,7 +128,9 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
                     if name in seen:
                         raise CheckpointError(f"{path}: tensor {name!r} appears in more than one shard")
                     seen.add(name)
-                    yield name, f.get_tensor(name).to(torch.float32)
+                    tensor = f.get_tensor(name)
+                    # Integer tensors (GPTQ / AWQ packed weights, g_idx) keep their bits.
+                    yield name, tensor.to(torch.float32) if tensor.is_floating_point() else tensor
         except CheckpointError:
             raise
         except Exception as e:  # SafetensorError and friends: bad header, offsets, dtypes

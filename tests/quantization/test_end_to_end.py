@@ -1,0 +1,101 @@
+"""Quantized models end to end on a tiny random Llama: online schemes stay close to fp32,
+and GPTQ / AWQ / RTN / FP8 checkpoints written in AutoGPTQ / AutoAWQ layout load back with
+the same dequantized weights."""
+import os
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers.quant import formats
+from tokenmill.models.loader import open_checkpoint
+from tokenmill.quantization import writer
+from tokenmill.quantization.quantize import QuantizeArgs, _quantize_tensors, linear_prefixes
+
+PROMPTS = [[(13 * i + 7 * j) % 380 + 3 for j in range(n)] for i, n in enumerate([6, 17, 33])]
+
+
+def _llm(path, quantization=None):
+    return LLM(model=path, quantization=quantization, skip_tokenizer_init=True, num_kv_blocks=64)
+
+
+def _run(llm, n=8):
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def fp32_outputs(tiny_llama_dir):
+    return _run(_llm(tiny_llama_dir))
+
+
+@pytest.mark.parametrize("scheme,max_gap", [("int8", 0.1), ("fp8", 0.6), ("int4-g32", 0.6)])
+def test_online_scheme_close_to_fp32(tiny_llama_dir, fp32_outputs, scheme, max_gap):
+    """The quantized model's first greedy token is one fp32 also ranks near the top: within
+    fp32's top 5 and at most ``max_gap`` below fp32's best logprob (this tiny random model has
+    near-ties, so equal tokens alone would be a flaky criterion)."""
+    llm = _llm(tiny_llama_dir, scheme)
+    assert llm.get_memory_stats()["model_weights"] < _llm(tiny_llama_dir).get_memory_stats()["model_weights"]
+    for o, r in zip(_run(llm), fp32_outputs):
+        ref_top = r.logprobs[0]
+        chosen = o.token_ids[0]
+        assert chosen in ref_top
+        assert max(v.logprob for v in ref_top.values()) - ref_top[chosen].logprob <= max_gap
+
+
+class _FakeStats:
+    """Calibration statistics from random correlated inputs (no tokenizer / data needed)."""
+
+    def __init__(self, model, rows=256):
+        from tokenmill.layers.linear import Linear
+        from tokenmill.quantization.gptq import HessianAccumulator
+        g = torch.Generator().manual_seed(0)
+        self.hessians, self.samples = {}, {}
+        for name, m in model.named_modules():
+            if isinstance(m, Linear) and not name.endswith("lm_head"):
+                k = m.in_features
+                x = torch.randn(rows, 8, generator=g) @ torch.randn(8, k, generator=g) + 0.1 * torch.randn(rows, k, generator=g)
+                acc = HessianAccumulator(k)
+                acc.add(x)
+                self.hessians[name], self.samples[name] = acc, [x]
+
+    def sample(self, name):
+        return torch.cat(self.samples[name])
+
+
+@pytest.mark.parametrize("method,bits", [("rtn", 4), ("rtn", 8), ("gptq", 4), ("awq", 4), ("fp8", 8)])
+def test_checkpoint_roundtrip(tiny_llama_dir, fp32_outputs, tmp_path, method, bits):
+    engine = _llm(tiny_llama_dir).engine
+    tensors = dict(open_checkpoint(tiny_llama_dir).iter_tensors())
+    a = QuantizeArgs(model=tiny_llama_dir, method=method, output=str(tmp_path), bits=bits, group_size=32)
+    written = _quantize_tensors(a, dict(tensors), linear_prefixes(engine.model), _FakeStats(engine.model), engine.model)
+    qc = writer.quantization_config(method, bits, 32, sym=bits == 8)
+    writer.write_checkpoint(str(tmp_path), open_checkpoint(tiny_llama_dir).hf_config, written, qc)
+    llm = _llm(str(tmp_path))
+    # the loaded layer holds exactly what the writer packed
+    layer = llm.engine.model.model.layers[0].mlp.down_proj
+    got = torch.cat([formats.dequantize(p) for p in layer.packed])
+    expected = _dequantize_written(written, "model.layers.0.mlp.down_proj", method, bits)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    full = tensors["model.layers.0.mlp.down_proj.weight"]
+    assert (got - full).abs().max() < (0.5 if bits == 4 else 0.1) * full.abs().max()
+    for o, r in zip(_run(llm), fp32_outputs):   # runs, and picks a token fp32 ranks top-5
+        assert o.token_ids[0] in r.logprobs[0]
+    assert "quantization_config" in open(os.path.join(tmp_path, "config.json")).read()
+
+
+def _dequantize_written(t, prefix, method, bits):
+    """Independent decoding of the written tensors (AutoGPTQ / AutoAWQ conventions)."""
+    from tokenmill.layers.quant.checkpoint_methods import awq_unpack, unpack_int32
+    if method == "fp8":
+        return t[prefix + ".weight"].float() * t[prefix + ".weight_scale"].float()
+    scales = t[prefix + ".scales"].float()            # [groups, N]
+    if method == "awq":
+        q, z = awq_unpack(t[prefix + ".qweight"]), awq_unpack(t[prefix + ".qzeros"])   # [K, N], [g, N]
+        g_idx = torch.arange(q.shape[0]) // 32
+    else:
+        q = unpack_int32(t[prefix + ".qweight"], bits, dim=0)                             # [K, N]
+        z = (unpack_int32(t[prefix + ".qzeros"], bits, dim=1) + 1) & ((1 << bits) - 1)
+        g_idx = t[prefix + ".g_idx"].long()
+    return ((q.float() - z[g_idx].float()) * scales[g_idx]).t()

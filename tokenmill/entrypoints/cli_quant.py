@@ -1,0 +1,60 @@
+"""`tokenmill quantize` and `tokenmill eval ppl` sub-commands (wired into cli.build_parser by
+``add_quantize_parser(sub)`` and ``add_eval_parser(sub)``)."""
+from __future__ import annotations
+
+import json
+import os
+
+
+def _cache_dir():
+    return os.environ.get("TOKENMILL_CACHE")   # the CLI is the one place env vars are read
+
+
+def add_quantize_parser(sub) -> None:
+    p = sub.add_parser("quantize", help="write a GPTQ / AWQ / FP8 / RTN quantized checkpoint")
+    p.add_argument("--model", default="smollm2-135m", help="name, HF directory or .gguf file")
+    p.add_argument("--method", required=True, choices=["rtn", "gptq", "awq", "fp8"])
+    p.add_argument("--bits", type=int, default=4, choices=[4, 8])
+    p.add_argument("--group-size", type=int, default=128, help="-1: per channel")
+    p.add_argument("--calib-samples", type=int, default=64, help="calibration windows")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
+    p.add_argument("--act-order", action="store_true", help="GPTQ: quantize salient columns first")
+    p.add_argument("--damp", type=float, default=0.01, help="GPTQ: Hessian damping fraction")
+    p.add_argument("--output", required=True)
+    p.set_defaults(func=cmd_quantize)
+
+
+def cmd_quantize(args) -> int:
+    from tokenmill.quantization.quantize import QuantizeArgs, quantize
+    quantize(QuantizeArgs(model=args.model, method=args.method, output=args.output,
+                          bits=args.bits, group_size=args.group_size,
+                          calib_samples=args.calib_samples, seq_len=args.seq_len,
+                          act_order=args.act_order, damp=args.damp, cache_dir=_cache_dir()))
+    return 0
+
+
+def add_eval_parser(sub) -> None:
+    ev = sub.add_parser("eval", help="model quality evaluations")
+    ev_sub = ev.add_subparsers(dest="eval_command", required=True)
+    p = ev_sub.add_parser("ppl", help="perplexity on the held-out ShareGPT split")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--quantization", default=None, help="online scheme: int8, int4, int4-g32, fp8, gguf")
+    p.add_argument("--max-tokens", type=int, default=4096, help="tokens scored")
+    p.add_argument("--context-len", type=int, default=512)
+    p.add_argument("--kl-base", default=None,
+                   help="also report KL(base || model) of next-token distributions; "
+                        "'same' = this model unquantized")
+    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="only the JSON line")
+    p.set_defaults(func=cmd_eval_ppl)
+
+
+def cmd_eval_ppl(args) -> int:
+    from tokenmill.quantization.ppl import evaluate
+    result = evaluate(args.model, args.quantization, args.max_tokens, args.context_len,
+                      kl_base=args.kl_base, num_threads=args.num_threads, cache_dir=_cache_dir())
+    if not args.json:
+        for key, value in result.items():
+            print(f"{key:>16}: {value}")
+    print(json.dumps(result))
+    return 0
