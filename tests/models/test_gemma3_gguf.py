@@ -36,6 +36,7 @@ def test_config(gguf_path):
     assert [i for i, t in enumerate(cfg["layer_types"]) if t == "full_attention"] == [5, 11, 17]
 
 
+@pytest.mark.slow   # gguf.GGUFReader parses the 262k-token vocabulary in pure Python
 def test_every_tensor_type_matches_gguf_reference(gguf_path):
     gguf = pytest.importorskip("gguf")
     ckpt = open_checkpoint(gguf_path)
