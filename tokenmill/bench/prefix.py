@@ -39,7 +39,7 @@ def _run_conversation(llm, conv, turns: int, max_chars: int, params) -> list[dic
         ids = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True)
         out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
         completion = out.outputs[0]
-        rows.append({"turn": t, "prompt_len": len(ids), "ttft_s": engine.stats.ttfts[-1],
+        rows.append({"turn": t, "prompt_len": len(ids), "ttft_s": engine.stats.ttfts.recent[-1],
                      "cached": out.num_cached_tokens,
                      "max_cacheable": min(_common_prefix(prev_tokens, ids), len(ids) - 1)})
         prev_tokens = ids + completion.token_ids

@@ -267,8 +267,8 @@ class AsyncEngine:
     def _snapshot(self) -> EngineSnapshot:
         eng = self.engine
         sched, stats = eng.scheduler, eng.stats
-        new_queue_times = tuple(stats.queue_times[self._num_queue_times_seen:])
-        self._num_queue_times_seen = len(stats.queue_times)
+        new_queue_times = tuple(stats.queue_times.since(self._num_queue_times_seen))
+        self._num_queue_times_seen = stats.queue_times.count
         return EngineSnapshot(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             kv_cache_usage=sched.kv.usage, num_preemptions=sched.num_preemptions,

@@ -1,11 +1,44 @@
-"""Engine statistics: request counts, token counts, latency, throughput, preemptions."""
+"""Engine statistics: request counts, token counts, latency, throughput, preemptions.
+
+Averages come from running sums (exact over the engine's life); the per-request samples are
+kept in bounded windows, so a long-running server's memory stays flat."""
 from __future__ import annotations
 
-import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from tokenmill.request import Request
+
+WINDOW = 10_000   # recent per-request samples kept for percentiles / benchmarks
+
+
+class Series:
+    """A running mean plus a bounded window of the most recent values."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0.0
+        self.recent: deque = deque(maxlen=WINDOW)
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        self.total += value
+        self.recent.append(value)
+
+    def mean_ms(self) -> float:
+        return 1000.0 * self.total / self.count if self.count else 0.0
+
+    def since(self, seen: int) -> list[float]:
+        """Values added after the first ``seen`` (as many as the window still holds)."""
+        new = min(self.count - seen, len(self.recent))
+        return list(self.recent)[len(self.recent) - new:] if new > 0 else []
+
+    def __getitem__(self, index):
+        return list(self.recent)[index]
+
+    def __len__(self) -> int:
+        return self.count
 
 
 @dataclass
@@ -15,36 +48,34 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     num_steps: int = 0
-    latencies: list = field(default_factory=list)
-    ttfts: list = field(default_factory=list)
-    tpots: list = field(default_factory=list)
-    queue_times: list = field(default_factory=list)
+    latencies: Series = field(default_factory=Series)
+    ttfts: Series = field(default_factory=Series)
+    tpots: Series = field(default_factory=Series)
+    queue_times: Series = field(default_factory=Series)
     busy_time: float = 0.0                # seconds spent inside step()
 
     def on_finished(self, req: Request) -> None:
         self.num_requests += 1
         self.num_prompt_tokens += req.num_prompt_tokens
         end = req.finished_time or time.monotonic()
-        self.latencies.append(end - req.arrival_time)
+        self.latencies.add(end - req.arrival_time)
         if req.first_scheduled_time is not None:
-            self.queue_times.append(req.first_scheduled_time - req.arrival_time)
+            self.queue_times.add(req.first_scheduled_time - req.arrival_time)
         if req.first_token_time is not None:
-            self.ttfts.append(req.first_token_time - req.arrival_time)
+            self.ttfts.add(req.first_token_time - req.arrival_time)
             if req.num_output_tokens > 1:
-                self.tpots.append((end - req.first_token_time) / (req.num_output_tokens - 1))
+                self.tpots.add((end - req.first_token_time) / (req.num_output_tokens - 1))
 
     def snapshot(self, num_preemptions: int, prefix_hit_rate: float) -> dict:
-        def ms(values):
-            return 1000.0 * statistics.fmean(values) if values else 0.0
         return {
             "num_requests": self.num_requests,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
-            "avg_latency_ms": ms(self.latencies),
-            "avg_ttft_ms": ms(self.ttfts),
-            "avg_tpot_ms": ms(self.tpots),
-            "avg_queue_time_ms": ms(self.queue_times),
+            "avg_latency_ms": self.latencies.mean_ms(),
+            "avg_ttft_ms": self.ttfts.mean_ms(),
+            "avg_tpot_ms": self.tpots.mean_ms(),
+            "avg_queue_time_ms": self.queue_times.mean_ms(),
             "throughput_tokens_per_sec": (self.num_generated_tokens / self.busy_time
                                           if self.busy_time else 0.0),
             "num_preemptions": num_preemptions,
