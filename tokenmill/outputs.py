@@ -57,6 +57,7 @@ class CompletionOutput:
     logprobs: Optional[list[PositionLogprobs]]
     finish_reason: Optional[str] = None
     stop_reason: object = None
+    error: Optional[str] = None          # why the engine failed this sample (finish_reason "error")
 
     def finished(self) -> bool:
         return self.finish_reason is not None

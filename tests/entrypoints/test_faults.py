@@ -19,6 +19,7 @@ def test_nan_fails_only_its_request_and_is_never_cached(tiny_llama_dir):
     poisoned = clean[0][:9] + [POISON] + list(range(20, 40))
     outs = llm.generate([{"prompt_token_ids": p} for p in [poisoned] + clean], GREEDY, use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "error"
+    assert "non-finite" in outs[0].outputs[0].error
     assert [o.outputs[0].token_ids for o in outs[1:]] == reference
     pool = llm.engine.scheduler.kv.pool
     assert all(POISON not in b.block_hash.token_ids for b in pool.blocks if b.block_hash is not None)

@@ -21,6 +21,7 @@ class _Sample:
     text: str = ""                      # text released so far (never a partial stop string)
     finish_reason: Optional[str] = None
     stop_reason: object = None
+    error: Optional[str] = None
 
 
 @dataclass
@@ -121,6 +122,8 @@ class OutputProcessor:
             sample.text += sample.detokenizer.get_delta(finished)
         if out.finished and sample.finish_reason is None:
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
+        if out.error is not None:
+            sample.error = out.error
         return stop_str
 
     def _decode_entry(self, entry: dict) -> None:
@@ -137,7 +140,7 @@ class OutputProcessor:
                 index=s.index, text=s.text, token_ids=list(s.token_ids),
                 cumulative_logprob=s.cumulative_logprob if s.want_logprobs else None,
                 logprobs=list(s.logprobs) if s.want_logprobs else None,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason, error=s.error))
         prompt_lps = None
         if parent.want_prompt_logprobs:
             prompt_lps = [None] + [parent.prompt_logprobs.get(p)
