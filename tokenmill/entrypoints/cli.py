@@ -145,6 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.entrypoints.openai.cli_serve import add_serve_parser
     add_serve_parser(sub)
     _add_bench_parsers(sub)
+    from tokenmill.spec.cli import add_verify_spec_parser
+    add_verify_spec_parser(sub)
     return parser
 
 
@@ -155,6 +157,8 @@ def _add_bench_parsers(sub) -> None:
     throughput.add_parser(bench_sub)
     latency.add_parser(bench_sub)
     prefix.add_parser(bench_sub)
+    from tokenmill.spec import bench as spec_bench
+    spec_bench.add_parser(bench_sub)
     from tokenmill.bench.serve import add_bench_serve_parser
     add_bench_serve_parser(bench_sub)
 

@@ -29,7 +29,7 @@ Two kinds of drafts:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -47,6 +47,13 @@ class RejectionOutput:
     num_accepted: list[int]         # per request: a, in [0, k]
     row_starts: list[int]           # first of the request's k + 1 rows
     logprobs: Optional[LogprobsTensors]   # per row, of the token emitted at that row
+
+
+class _Verdict(NamedTuple):
+    accepted: torch.Tensor   # [B, K] bool: draft j passed the rule (ignoring earlier drafts)
+    mask: torch.Tensor       # [B, K] bool: a real draft (k_b <= K)
+    rows: torch.Tensor       # [B, K] int64: its verification row
+    drafts: torch.Tensor     # [B, K] int64: the draft token (-1 padding)
 
 
 def row_starts(num_draft_tokens: list[int]) -> list[int]:
@@ -91,18 +98,18 @@ class RejectionSampler:
         num_drafts = [len(d) for d in draft_token_ids]
         starts = row_starts(num_drafts)
         if draft_probs is None:
-            final, accepted = self._point(logits, meta, draft_token_ids, num_drafts)
+            final, v = self._point(logits, meta, draft_token_ids, num_drafts)
         else:
-            final, accepted = self._prob(logits, meta, draft_token_ids, num_drafts, draft_probs)
-        num_accepted_t = accepted_prefix_lengths(accepted[0], accepted[1])
+            final, v = self._prob(logits, meta, draft_token_ids, num_drafts, draft_probs)
+        num_accepted_t = accepted_prefix_lengths(v.accepted, v.mask)
         num_accepted = num_accepted_t.tolist()
         tokens = emitted_tokens(final.tolist(), draft_token_ids, num_accepted, starts)
         logprobs = None
         if meta.max_num_logprobs is not None:
             chosen = final.clone()   # rows before the first rejection emit their draft
-            rows, mask = accepted[2], accepted[1]
-            kept = mask & (torch.arange(mask.shape[1], device=mask.device) < num_accepted_t[:, None])
-            chosen[rows[kept]] = accepted[3][kept]
+            position = torch.arange(v.mask.shape[1], device=v.mask.device)
+            kept = v.mask & (position < num_accepted_t[:, None])
+            chosen[v.rows[kept]] = v.drafts[kept]
             logprobs = compute_logprobs(logits, chosen, meta.max_num_logprobs)
         return RejectionOutput(tokens, num_accepted, starts, logprobs)
 
@@ -111,7 +118,7 @@ class RejectionSampler:
         target = self.sampler(logits, _without_logprobs(meta)).sampled_token_ids   # [N]
         rows, mask = _draft_rows(num_drafts, logits.device)
         drafts = _padded(draft_token_ids, rows.shape[1], logits.device)
-        return target, (target[rows] == drafts, mask, rows, drafts)
+        return target, _Verdict(target[rows] == drafts, mask, rows, drafts)
 
     def _prob(self, logits, meta, draft_token_ids, num_drafts, draft_probs):
         p = target_probs(logits, meta)                                       # [N, V]
@@ -129,7 +136,7 @@ class RejectionSampler:
         p_x = p[rows, drafts]
         q_x = q[rows, drafts]
         accepted = uniform[rows] * q_x <= p_x
-        return final, (accepted & (p_x > 0), mask, rows, drafts)
+        return final, _Verdict(accepted & (p_x > 0), mask, rows, drafts)
 
 
 def target_probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -28,11 +28,11 @@ TEXTS = [
     "instead of nine, the reading room will stay quiet after six, and a new shelf for local "
     "history books will be built next to the main entrance before the end of the year.",
 ]
-TASKS = [
-    "Repeat the following text exactly, word for word.\n\n{text}",
-    "Copy the following text, then stop.\n\n{text}",
-    "Rewrite the following text keeping every sentence and every detail.\n\n{text}",
-    "Using only the text below, restate its main facts in full sentences.\n\n{text}",
+TASKS = [   # text first, then the instruction: the form SmolLM2-135M copies most faithfully
+    "Here is a text:\n\n{text}\n\nWrite the text again, exactly as it is.",
+    "Here is a text:\n\n{text}\n\nCopy the text above word for word.",
+    "Here is a text:\n\n{text}\n\nRewrite the text above, keeping every sentence.",
+    "Here is a text:\n\n{text}\n\nRepeat the first two sentences of the text.",
 ]
 CHAT = [
     "Tell me a short story about a dragon who learns to cook.", "What makes a good friend?",

@@ -29,6 +29,8 @@ def add_verify_spec_parser(sub) -> None:
     p.add_argument("--speculative-config", required=True,
                    help='JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     p.add_argument("--prompt", action="append", default=None, help="prompt (repeatable)")
+    p.add_argument("--prompt-ids", action="append", default=None,
+                   help="prompt as comma-separated token ids (repeatable; no tokenizer needed)")
     p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt")
     p.add_argument("--num-samples", type=int, default=400, help="samples per side at temperature")
     p.add_argument("--sample-tokens", type=int, default=3, help="output positions tested")
@@ -42,7 +44,8 @@ def add_verify_spec_parser(sub) -> None:
 def _llm(args, spec: Optional[dict]):
     from tokenmill import LLM
     return LLM(model=args.model, seed=args.seed, num_threads=args.num_threads,
-               kv_cache_memory=512 * 1024**2, speculative_config=spec)
+               kv_cache_memory=512 * 1024**2, speculative_config=spec,
+               skip_tokenizer_init=bool(args.prompt_ids and not args.prompt))
 
 
 def check_greedy(plain, spec, prompts: list, max_tokens: int) -> tuple[bool, str]:
@@ -77,7 +80,8 @@ def check_sampling(plain, spec, prompt, args) -> tuple[bool, list]:
 def cmd_verify_spec(args) -> int:
     spec_cfg = json.loads(args.speculative_config)
     spec_cfg.setdefault("adaptive", False)       # verify speculation itself, every step
-    prompts = args.prompt or DEFAULT_PROMPTS
+    prompts = [{"prompt_token_ids": [int(t) for t in ids.split(",")]} for ids in args.prompt_ids or []]
+    prompts += args.prompt or ([] if prompts else DEFAULT_PROMPTS)
     plain, spec = _llm(args, None), _llm(args, spec_cfg)
     ok_greedy, msg = check_greedy(plain, spec, prompts, args.max_tokens)
     print(f"greedy: {'PASS' if ok_greedy else 'FAIL'}  {msg}")

@@ -89,7 +89,9 @@ class SpecDecoder:
         if pending is None or not decode_only or not emitted:
             return
         batch, k, draft_seconds = pending
-        self.controller.record(batch, k, emitted, seconds + draft_seconds)
+        # A step whose requests got no drafts (no n-gram match) was a plain step: it says
+        # nothing about verifying k drafts, so it counts for k = 0.
+        self.controller.record(batch, k if num_drafts else 0, emitted, seconds + draft_seconds)
 
     def snapshot(self) -> dict:
         return self.stats.snapshot(self.controller.estimated_speedup())

@@ -159,7 +159,8 @@ class FP8CheckpointMethod(PackedLinearMethod):
 
     def process_weights_after_loading(self, layer):
         n, k = layer.out_features, layer.in_features
-        q = layer.weight.data.view(torch.uint8).contiguous()
+        # model.to(dtype) may have widened the float8 parameter; e4m3 values survive exactly
+        q = layer.weight.data.to(torch.float8_e4m3fn).view(torch.uint8).contiguous()
         set_packed(layer, [Packed("f8", q, layer.weight_scale.data.float().contiguous(), None, k, n, k)])
 
 

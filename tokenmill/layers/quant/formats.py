@@ -32,6 +32,7 @@ class Packed:
     out_features: int
     in_features: int
     perm: Optional[torch.Tensor] = None
+    kernel_ok: Optional[bool] = None   # cached by matmul.packed_linear (shapes never change)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         named = {"qweight": self.qweight, "scales": self.scales}

@@ -42,7 +42,9 @@ def packed_linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor] = Non
     x2 = x.reshape(-1, p.in_features).float()
     if p.perm is not None:
         x2 = x2.index_select(1, p.perm)
-    if use_kernel and x2.shape[0] <= kernel_max_rows and kernel_applies(p):
+    if p.kernel_ok is None:
+        p.kernel_ok = kernel_applies(p)
+    if use_kernel and x2.shape[0] <= kernel_max_rows and p.kernel_ok:
         y = kernels.qmm(x2.contiguous(), _KINDS[p.kind], p.qweight, p.scales, p.mins,
                         p.group_size, p.out_features)
     else:

@@ -1,0 +1,28 @@
+"""The real default model (SmolLM2-135M GGUF: Q4_1 layers, Q8_0 embedding / tied head): its
+quants kept packed compute the same function as the float32 expansion."""
+import os
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.models.hub import DEFAULT_CACHE_DIR, KNOWN_MODELS
+
+PATH = os.path.join(DEFAULT_CACHE_DIR, "smollm2-135m", KNOWN_MODELS["smollm2-135m"].filename)
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not os.path.isfile(PATH), reason="SmolLM2 GGUF not cached")]
+
+
+def _greedy(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    outs = llm.generate(["The capital of France is", "def fibonacci(n):"], params, use_tqdm=False)
+    return [o.outputs[0] for o in outs]
+
+
+def test_gguf_packed_equals_fp32_expansion():
+    fp32 = LLM(PATH, num_kv_blocks=32, max_model_len=128)
+    packed = LLM(PATH, quantization="gguf", num_kv_blocks=32, max_model_len=128)
+    assert packed.get_memory_stats()["model_weights"] < 0.45 * fp32.get_memory_stats()["model_weights"]
+    for a, b in zip(_greedy(packed), _greedy(fp32)):
+        assert a.token_ids == b.token_ids
+        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids):
+            assert abs(la[t].logprob - lb[t].logprob) < 1e-3
