@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parsers(sub)
     from tokenmill.spec.cli import add_verify_spec_parser
     add_verify_spec_parser(sub)
+    from tokenmill.entrypoints.cli_quant import add_quant_parsers
+    add_quant_parsers(sub)
     return parser
 
 

@@ -58,3 +58,9 @@ def cmd_eval_ppl(args) -> int:
             print(f"{key:>16}: {value}")
     print(json.dumps(result))
     return 0
+
+
+def add_quant_parsers(sub) -> None:
+    """Both sub-commands at once (what cli.build_parser calls)."""
+    add_quantize_parser(sub)
+    add_eval_parser(sub)

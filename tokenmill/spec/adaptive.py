@@ -46,7 +46,7 @@ class FixedK:
 
 
 class AdaptiveK:
-    def __init__(self, k_max: int, ema: float = 0.25, warmup: int = 3,
+    def __init__(self, k_max: int, ema: float = 0.25, warmup: int = 2,
                  max_interval: int = 1024) -> None:
         self.arms_k = sorted({0, 1, 2, 4, k_max} & set(range(k_max + 1)))
         self.ema, self.warmup, self.max_interval = ema, warmup, max_interval
@@ -60,14 +60,28 @@ class AdaptiveK:
     def _best(self, bucket: int) -> int:
         return max(self.arms_k, key=lambda k: self._arm(bucket, k).rate)
 
+    def _eligible(self, bucket: int) -> list[int]:
+        """Arms worth measuring: k = 0, 1, then each larger k only while the next smaller one
+        came within 10% of the best so far. A large k costs most when speculation does not
+        pay, so it is never tried blindly (that would spend the 5% budget on exploration)."""
+        out = [self.arms_k[0]]
+        for prev, k in zip(self.arms_k, self.arms_k[1:]):
+            arm = self._arm(bucket, prev)
+            best = max(self._arm(bucket, j).rate for j in out)
+            if prev > 0 and (arm.count < self.warmup or arm.rate < 0.9 * best):
+                break
+            out.append(k)
+        return out
+
     def choose(self, batch_size: int) -> int:
         self.step += 1
         bucket = self._last_bucket = bucket_of(batch_size)
-        for k in self.arms_k:                       # measure every arm a few times first
+        eligible = self._eligible(bucket)
+        for k in eligible:                          # measure eligible arms a few times first
             if self._arm(bucket, k).count < self.warmup:
                 return k
-        best = self._best(bucket)
-        for k in self.arms_k:                       # then re-measure losers, rarely
+        best = max(eligible, key=lambda k: self._arm(bucket, k).rate)
+        for k in eligible:                          # then re-measure losers, rarely
             arm = self._arm(bucket, k)
             if k != best and self.step - arm.last_step >= arm.interval:
                 arm.last_step = self.step

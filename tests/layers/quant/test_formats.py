@@ -91,3 +91,16 @@ def test_fallback_path_equals_reference():
     p = F.quantize_int4(w, 32)
     x = torch.randn(5, 96)
     torch.testing.assert_close(packed_linear(x, p, use_kernel=False), reference_linear(x, p))
+
+
+@pytest.mark.skipif(not kernels.available(), reason="kernel needs x86-64 AVX2 and a C compiler")
+@pytest.mark.parametrize("kind", ["i8", "i8g", "i4", "f8"])
+def test_compiled_dequant_equals_reference(kind):
+    torch.manual_seed(3)
+    w = torch.randn(72, 256)
+    p = _packed(kind, w, 64)
+    got = kernels.dequant({"i8": 0, "i4": 1, "f8": 2}[p.kind], p.qweight, p.scales, p.mins,
+                          p.group_size, p.out_features, p.in_features)
+    torch.testing.assert_close(got, F.dequantize_stored(p), rtol=1e-6, atol=1e-6)
+    x = torch.randn(40, 256)   # many rows: the dequantize + GEMM path
+    torch.testing.assert_close(packed_linear(x, p), reference_linear(x, p), rtol=1e-4, atol=1e-4)

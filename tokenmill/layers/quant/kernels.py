@@ -72,6 +72,8 @@ def load(build_dir: Optional[str] = None) -> Optional[ctypes.CDLL]:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.tm_qmm.argtypes = [p, i64, i64, p, p, p, i64, i64, i32, p, i32]
     lib.tm_qmm.restype = None
+    lib.tm_dequant.argtypes = [p, p, p, i64, i64, i64, i32, p, i32]
+    lib.tm_dequant.restype = None
     _lib = lib
     return lib
 
@@ -90,3 +92,12 @@ def qmm(x: torch.Tensor, kind: int, w: torch.Tensor, scales: torch.Tensor,
                 mins.data_ptr() if mins is not None else None, group_size, n, kind,
                 y.data_ptr(), torch.get_num_threads())
     return y
+
+
+def dequant(kind: int, w: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor],
+            group_size: int, n: int, k: int) -> torch.Tensor:
+    """float32 [N, K] in stored column order (same contract as ``qmm``)."""
+    out = torch.empty(n, k, dtype=torch.float32)
+    _lib.tm_dequant(w.data_ptr(), scales.data_ptr(), mins.data_ptr() if mins is not None else None,
+                    group_size, n, k, kind, out.data_ptr(), torch.get_num_threads())
+    return out

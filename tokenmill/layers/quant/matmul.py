@@ -47,6 +47,9 @@ def packed_linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor] = Non
     if use_kernel and x2.shape[0] <= kernel_max_rows and p.kernel_ok:
         y = kernels.qmm(x2.contiguous(), _KINDS[p.kind], p.qweight, p.scales, p.mins,
                         p.group_size, p.out_features)
+    elif use_kernel and p.kernel_ok:
+        y = F.linear(x2, kernels.dequant(_KINDS[p.kind], p.qweight, p.scales, p.mins,
+                                         p.group_size, p.out_features, p.in_features))
     else:
         y = F.linear(x2, dequantize_stored(p))
     if bias is not None:

@@ -128,3 +128,23 @@ void tm_qmm(const float *x, int64_t M, int64_t K, const uint8_t *w, const float 
     }
     free(xsum);
 }
+
+/* W -> float32 [N, K] (stored column order), for many-row (prefill) matmuls that go to the
+ * BLAS GEMM: one pass, no temporaries. */
+void tm_dequant(const uint8_t *w, const float *scale, const float *mins, int64_t G, int64_t N,
+                int64_t K, int kind, float *out, int nthreads) {
+    int64_t ngroups = K / G, row_bytes = kind == 1 ? K / 2 : K;
+    const float fold = kind == 2 ? 256.0f : 1.0f;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t n = 0; n < N; n++) {
+        __m256 v[4];
+        for (int64_t k = 0; k < K; k += 32) {
+            int64_t g = n * ngroups + k / G;
+            __m256 s = _mm256_set1_ps(scale[g] * fold);
+            __m256 m = _mm256_set1_ps(kind == 1 ? mins[g] : 0.0f);
+            load32(w + n * row_bytes, k, kind, v);
+            for (int j = 0; j < 4; j++)
+                _mm256_storeu_ps(out + n * K + k + 8 * j, _mm256_fmadd_ps(v[j], s, m));
+        }
+    }
+}
