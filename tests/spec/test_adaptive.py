@@ -63,3 +63,10 @@ def test_ngram_lookup():
     # the longest matching suffix wins over a more recent shorter one
     assert lookup([7, 1, 2, 8, 5, 2, 9, 1, 2], 2, 1, 2) == [8, 5]
     assert lookup([1, 2, 1, 2, 1], 4, 1, 1) == [2, 1]   # continues after the latest earlier "1"
+
+
+def test_expensive_useless_drafter_costs_little_even_on_short_runs():
+    # layer_skip-like: each draft costs most of a forward, drafts are almost never right
+    ratio, chosen = simulate(0.05, lambda b, k: 1.0 + 0.9 * k, 1, steps=300)
+    assert ratio >= 0.95, (ratio, chosen)
+    assert chosen.get(4, 0) == 0          # k = 4 never tried: k = 1 already lost
