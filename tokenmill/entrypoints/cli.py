@@ -161,6 +161,8 @@ def _add_bench_parsers(sub) -> None:
     prefix.add_parser(bench_sub)
     from tokenmill.spec import bench as spec_bench
     spec_bench.add_parser(bench_sub)
+    from tokenmill.bench import quant
+    quant.add_parser(bench_sub)
     from tokenmill.bench.serve import add_bench_serve_parser
     add_bench_serve_parser(bench_sub)
 
