@@ -2,11 +2,16 @@
 import torch
 from torch import nn
 
+from tokenmill.layers import cpu_ops
+
 
 class SiluAndMul(nn.Module):
     """silu(gate) * up (Llama, Mistral, Qwen)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, 2*inter] -> [T, inter]
+        fused = cpu_ops.silu_mul(x)
+        if fused is not None:
+            return fused
         gate, up = x.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 

@@ -1,5 +1,9 @@
+from typing import Optional
+
 import torch
 from torch import nn
+
+from tokenmill.layers import cpu_ops
 
 
 class RMSNorm(nn.Module):
@@ -11,9 +15,23 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [..., hidden]
+        fused = cpu_ops.rms_norm(x, self.weight, self.eps) if type(self) is RMSNorm else None
+        if fused is not None:
+            return fused
         x32 = x.float()
         var = x32.pow(2).mean(-1, keepdim=True)
         return (self.weight * (x32 * torch.rsqrt(var + self.eps))).to(x.dtype)
+
+    def add_and_norm(self, update: torch.Tensor, residual: torch.Tensor) -> tuple:
+        """(norm(residual + update), residual + update). ``update`` is a fresh tensor the
+        caller gives up: the fused CPU kernel writes the sum into it instead of allocating."""
+        fused: Optional[torch.Tensor] = None
+        if type(self) is RMSNorm:
+            fused = cpu_ops.rms_norm(residual, self.weight, self.eps, residual=update)
+        if fused is not None:
+            return fused, update
+        total = residual + update
+        return self(total), total
 
 
 class GemmaRMSNorm(RMSNorm):

@@ -8,6 +8,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from tokenmill.layers import cpu_ops
+
 SUPPORTED_SCALING = ("default", "linear", "llama3", "yarn")
 
 
@@ -105,6 +107,8 @@ class RotaryEmbedding(nn.Module):
                 step_cache: Optional[dict] = None):
         # positions [T]; q [T, Hq, D]; k [T, Hkv, D]. step_cache (per-step, e.g. the attention
         # metadata's plan_cache) lets every layer reuse one cos/sin lookup.
+        if self._fused_ok(positions, step_cache) and cpu_ops.rope_(q, k, self.cos, self.sin, positions):
+            return q, k    # rotated in place (q, k are fresh projections the caller owns)
         key = ("rope", id(self))
         cos_sin = step_cache.get(key) if step_cache is not None else None
         if cos_sin is None:
@@ -113,6 +117,21 @@ class RotaryEmbedding(nn.Module):
                 step_cache[key] = cos_sin
         cos, sin = cos_sin
         return _apply(q, cos, sin), _apply(k, cos, sin)
+
+
+    def _fused_ok(self, positions: torch.Tensor, step_cache: Optional[dict]) -> bool:
+        # The kernel indexes the tables without bounds checks: check the positions once per
+        # step (the per-step cache is shared by all layers).
+        if not cpu_ops.active() or positions.device.type != "cpu":
+            return False
+        key = ("rope_in_range", id(self))
+        ok = step_cache.get(key) if step_cache is not None else None
+        if ok is None:
+            ok = positions.numel() == 0 or (int(positions.min()) >= 0
+                                            and int(positions.max()) < self.cos.shape[0])
+            if step_cache is not None:
+                step_cache[key] = ok
+        return ok
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

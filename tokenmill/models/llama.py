@@ -135,8 +135,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
     def forward(self, positions, x, kv_cache, meta, backend) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, backend)
+        normed, x = self.post_attention_layernorm.add_and_norm(attn, x)
+        return x + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

@@ -27,7 +27,7 @@ _lib: Optional[ctypes.CDLL] = None
 _tried = False
 
 
-def _cpu_supported() -> bool:
+def cpu_supported() -> bool:
     if platform.machine() not in ("x86_64", "AMD64"):
         return False
     try:
@@ -38,18 +38,23 @@ def _cpu_supported() -> bool:
     return {"avx2", "fma", "f16c"} <= set(flags)
 
 
-def _build(build_dir: str) -> str:
-    """Compile qmm.c into build_dir (named by a hash of source + flags) unless already there."""
-    with open(_SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    path = os.path.join(build_dir, f"qmm-{digest}.so")
+def build_shared_library(source: str, build_dir: Optional[str] = None,
+                         flags: Optional[list] = None) -> str:
+    """Compile a C source into build_dir (named by a hash of source + flags) unless already
+    there; returns the .so path. Raises OSError / CalledProcessError when it cannot."""
+    flags = flags or _FLAGS
+    build_dir = build_dir or _DEFAULT_DIR
+    with open(source, "rb") as f:
+        digest = hashlib.sha256(f.read() + " ".join(flags).encode()).hexdigest()[:16]
+    stem = os.path.splitext(os.path.basename(source))[0]
+    path = os.path.join(build_dir, f"{stem}-{digest}.so")
     if os.path.isfile(path):
         return path
     os.makedirs(build_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=build_dir, suffix=".so")
     os.close(fd)
     try:   # build to a temp name and rename: concurrent builders never see half a library
-        subprocess.run(["cc", *_FLAGS, _SOURCE, "-o", tmp], check=True, capture_output=True)
+        subprocess.run(["cc", *flags, source, "-o", tmp], check=True, capture_output=True)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -63,10 +68,10 @@ def load(build_dir: Optional[str] = None) -> Optional[ctypes.CDLL]:
     if _tried:
         return _lib
     _tried = True
-    if not _cpu_supported():
+    if not cpu_supported():
         return None
     try:
-        lib = ctypes.CDLL(_build(build_dir or _DEFAULT_DIR))
+        lib = ctypes.CDLL(build_shared_library(_SOURCE, build_dir))
     except (OSError, subprocess.CalledProcessError):
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

@@ -1,0 +1,104 @@
+"""The fused CPU kernels equal their PyTorch references (or the reference attention)."""
+import pytest
+import torch
+
+from tokenmill.layers import cpu_ops
+from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.attention.metadata import AttentionMetadata
+from tokenmill.layers.attention.reference import ReferenceAttention
+from tokenmill.layers.rotary import RotaryEmbedding, _apply
+
+pytestmark = pytest.mark.skipif(not cpu_ops.active(), reason="fused CPU kernels not built here")
+
+
+@pytest.mark.parametrize("t,h", [(1, 576), (3, 64), (17, 100), (40, 13)])
+def test_rms_norm_matches_reference(t, h):
+    g = torch.Generator().manual_seed(t * h)
+    x = torch.randn(t, h, generator=g) * 3
+    w = torch.randn(h, generator=g)
+    got = cpu_ops.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(got, cpu_ops.rms_norm_reference(x, w, 1e-5), rtol=2e-6, atol=2e-6)
+
+
+def test_fused_add_rms_norm_updates_residual_in_place():
+    g = torch.Generator().manual_seed(0)
+    x, res, w = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g), torch.randn(96, generator=g)
+    expected_res = x + res
+    got = cpu_ops.rms_norm(x, w, 1e-6, residual=res)
+    torch.testing.assert_close(res, expected_res, rtol=0, atol=0)
+    torch.testing.assert_close(got, cpu_ops.rms_norm_reference(expected_res, w, 1e-6), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("t", [1, 7])
+def test_rope_in_place_matches_reference_on_strided_views(t):
+    g = torch.Generator().manual_seed(t)
+    hq, hkv, d = 6, 2, 64
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].view(t, hkv, d)
+    rot = RotaryEmbedding(d, 256, 10000.0)
+    pos = torch.randint(0, 256, (t,), generator=g)
+    cos, sin = rot.cos[pos].unsqueeze(1), rot.sin[pos].unsqueeze(1)
+    want_q, want_k = _apply(q.clone(), cos, sin), _apply(k.clone(), cos, sin)
+    v_before = qkv[:, (hq + hkv) * d:].clone()
+    assert cpu_ops.rope_(q, k, rot.cos, rot.sin, pos)
+    torch.testing.assert_close(q, want_q, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k, want_k, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, (hq + hkv) * d:], v_before)   # v untouched
+
+
+@pytest.mark.parametrize("t,i", [(1, 1536), (4, 13), (20, 64)])
+def test_silu_mul_matches_reference(t, i):
+    x = torch.randn(t, 2 * i, generator=torch.Generator().manual_seed(i)) * 6
+    x[0, 0], x[-1, 1] = -120.0, 95.0   # saturating inputs: no NaN/inf
+    torch.testing.assert_close(cpu_ops.silu_mul(x), SiluAndMul()(x), rtol=2e-6, atol=2e-6)
+
+
+def test_exp_extremes_through_silu():
+    x = torch.tensor([[-1e30, -90.0, -87.0, 0.0, 30.0, 88.0, 1e30, 5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
+    got = cpu_ops.silu_mul(x)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, SiluAndMul()(x), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_matches_reference(window):
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, bs, nblocks = 6, 2, 64, 4, 40
+    k_cache = torch.randn(nblocks, bs, hkv, d, generator=g)
+    v_cache = torch.randn(nblocks, bs, hkv, d, generator=g)
+    # three requests: decode at ctx 1, a 3-token speculative run, decode at ctx 23
+    q_lens, seq_lens = [1, 3, 1], [1, 9, 23]
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    tables, used = [], 0
+    for s in seq_lens:
+        n = -(-s // bs)
+        tables.append(perm[used:used + n])
+        used += n
+    meta = AttentionMetadata.build(q_lens, seq_lens, tables, bs, "cpu")
+    t = sum(q_lens)
+    q = torch.randn(t, hq, d, generator=g)
+    # the reference writes K/V first; give it the values already in the cache at those slots
+    k_new = k_cache.flatten(0, 1)[meta.slot_mapping].clone()
+    v_new = v_cache.flatten(0, 1)[meta.slot_mapping].clone()
+    want = ReferenceAttention().forward(q, k_new, v_new, k_cache.clone(), v_cache.clone(), meta,
+                                        0.125, sliding_window=window)
+    out = torch.full_like(q, float("nan"))
+    ok = cpu_ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc[:-1],
+                                 torch.tensor(q_lens), meta.seq_lens, 0.125, window, out)
+    assert ok
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_disabled_kernels_return_none():
+    cpu_ops.set_enabled(False)
+    try:
+        assert cpu_ops.rms_norm(torch.ones(1, 8), torch.ones(8), 1e-6) is None
+        assert cpu_ops.silu_mul(torch.ones(1, 8)) is None
+    finally:
+        cpu_ops.set_enabled(True)
+
+
+def test_not_applicable_inputs_fall_back():
+    assert cpu_ops.rms_norm(torch.ones(1, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-6) is None
+    assert cpu_ops.silu_mul(torch.ones(3, 8)[:, :6].t()) is None   # non-contiguous

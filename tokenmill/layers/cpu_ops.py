@@ -1,0 +1,144 @@
+"""Fused float32 CPU kernels (cpu_ops.c) for the small per-layer ops of a step, each beside
+the plain-PyTorch reference it must match.
+
+Every entry point returns None when the fast path does not apply (no compiler or AVX2, a
+non-CPU tensor, not float32, an unsupported layout, or turned off), and the caller then runs
+its PyTorch code. Turn the kernels off with ``TOKENMILL_CPU_KERNELS=0`` or
+``set_enabled(False)`` (the benchmark ablation does).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+from typing import Optional
+
+import torch
+
+from tokenmill.layers.quant.kernels import build_shared_library, cpu_supported
+
+_SOURCE = os.path.join(os.path.dirname(__file__), "cpu_ops.c")
+_lib: Optional[ctypes.CDLL] = None
+_tried = False
+_enabled = os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0"
+
+
+def set_enabled(flag: bool) -> None:
+    global _enabled
+    _enabled = bool(flag)
+
+
+def _load() -> Optional[ctypes.CDLL]:
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if not cpu_supported():
+        return None
+    try:
+        lib = ctypes.CDLL(build_shared_library(_SOURCE))
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.tm_rms_norm.argtypes = [p, p, p, f32, i64, i64, p, i32]
+    lib.tm_rms_norm.restype = None
+    lib.tm_rope.argtypes = [p, p, i64, i64, i64, i64, i64, i64, p, p, p]
+    lib.tm_rope.restype = None
+    lib.tm_silu_mul.argtypes = [p, i64, i64, p, i32]
+    lib.tm_silu_mul.restype = None
+    lib.tm_paged_attention.argtypes = [p, i64, i64, i64, p, p, i64, i64, p, i64, i64, p, p, p, f32,
+                                       i64, p, i32]
+    lib.tm_paged_attention.restype = i32
+    _lib = lib
+    return lib
+
+
+def active() -> bool:
+    """True when the kernels are turned on and built for this machine."""
+    return _enabled and _load() is not None
+
+
+def _ok(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+# -- RMSNorm ------------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """x [T, H] -> norm(x) * weight. With ``residual`` [T, H]: residual += x in place and
+    the result is norm(residual) * weight (the fused add + norm of a decoder layer)."""
+    if not (active() and x.dim() == 2 and _ok(x, weight) and x.is_contiguous()
+            and weight.is_contiguous()):
+        return None
+    if residual is not None and not (_ok(residual) and residual.is_contiguous()
+                                     and residual.shape == x.shape):
+        return None
+    t, h = x.shape
+    out = torch.empty_like(x)
+    _lib.tm_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                     weight.data_ptr(), eps, t, h, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    var = x32.pow(2).mean(-1, keepdim=True)
+    return (weight * (x32 * torch.rsqrt(var + eps))).to(x.dtype)
+
+
+# -- rotary -------------------------------------------------------------------------------
+def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          positions: torch.Tensor) -> bool:
+    """Neox rotary of q [T, Hq, D] and k [T, Hkv, D] in place, using cos/sin tables [P, D] at
+    ``positions`` [T] int64. q / k may be row-strided views (heads contiguous). False when
+    not applicable (nothing changed)."""
+    if not (active() and _ok(q, k, cos, sin) and positions.dtype == torch.int64
+            and positions.device.type == "cpu" and positions.is_contiguous()
+            and cos.is_contiguous() and sin.is_contiguous()):
+        return False
+    t, hq, d = q.shape
+    if (q.stride(2) != 1 or q.stride(1) != d or k.stride(2) != 1 or k.stride(1) != d
+            or k.shape[0] != t or positions.shape[0] != t or d % 2):
+        return False
+    _lib.tm_rope(q.data_ptr(), k.data_ptr(), t, hq, k.shape[1], d, q.stride(0), k.stride(0),
+                 cos.data_ptr(), sin.data_ptr(), positions.data_ptr())
+    return True
+
+
+# -- silu(gate) * up ----------------------------------------------------------------------
+def silu_mul(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """x [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
+    if not (active() and x.dim() == 2 and _ok(x) and x.is_contiguous() and x.shape[1] % 2 == 0):
+        return None
+    t, two_i = x.shape
+    out = torch.empty(t, two_i // 2, dtype=torch.float32)
+    _lib.tm_silu_mul(x.data_ptr(), t, two_i // 2, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+# -- paged attention of short query runs --------------------------------------------------
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    block_tables: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
+                    seq_len: torch.Tensor, scale: float, sliding_window: Optional[int],
+                    out: torch.Tensor) -> bool:
+    """Attention for the requests listed in q_start / q_len / seq_len ([B] int64 each, CPU):
+    query rows q_start[b] + i sit at position seq_len[b] - q_len[b] + i and attend causally
+    (and within the window) to the cache through block_tables [B, W] int64. Writes those
+    rows of out [T, Hq, D]; False when not applicable (nothing written)."""
+    if not (active() and _ok(query, k_cache, v_cache, out)
+            and query.stride(2) == 1 and query.stride(1) == query.shape[2] and out.is_contiguous()
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and block_tables.dtype == torch.int64 and block_tables.is_contiguous()
+            and block_tables.device.type == "cpu"):
+        return False
+    _, hq, d = query.shape
+    _, bs, hkv, _ = k_cache.shape
+    failed = _lib.tm_paged_attention(
+        query.data_ptr(), query.stride(0), hq, d, k_cache.data_ptr(), v_cache.data_ptr(), bs, hkv,
+        block_tables.data_ptr(), block_tables.shape[1], q_start.shape[0], q_start.data_ptr(),
+        q_len.data_ptr(), seq_len.data_ptr(), scale,
+        sliding_window if sliding_window is not None else 0, out.data_ptr(),
+        torch.get_num_threads())
+    if failed:
+        raise MemoryError("paged attention kernel could not allocate its score buffer")
+    return True
