@@ -7,6 +7,7 @@ import torch
 
 from tokenmill.layers.quant import (attach_quantization, checkpoint_tensors,
                                     process_weights_after_loading, resolve_quant_spec)
+from tokenmill.layers.quant.embedding import share_packed_head_with_embedding
 from tokenmill.models.registry import model_class
 from tokenmill.models.weights import load_weights
 
@@ -26,5 +27,6 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     load_weights(model, checkpoint_tensors(checkpoint, spec, plan))
     model.to(dtype=dtype)
     process_weights_after_loading(model)      # strategies repack what they loaded
+    share_packed_head_with_embedding(model)   # tied: no float copy of a packed head
     model.eval()
     return model

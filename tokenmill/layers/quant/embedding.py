@@ -1,0 +1,53 @@
+"""A tied embedding that reads its rows from the quantized LM head.
+
+With tied weights the embedding and the head are one matrix. Once the head is packed
+(int8 / int4 / fp8 / GGUF blocks), keeping a float32 copy only for row lookups would hold
+the biggest tensor of a small model twice (SmolLM2-135M: 113 MB fp32 next to a 28 MB int8
+head). Looking rows up in the packed head instead dequantizes just the rows a step needs;
+for a GGUF model the values are identical (the float embedding was dequantized from the
+same blocks).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenmill.layers.quant.formats import Packed, dequantize_stored
+
+
+class PackedEmbedding(nn.Module):
+    def __init__(self, packed: Packed) -> None:
+        super().__init__()
+        if packed.perm is not None:
+            raise ValueError("a packed embedding needs columns in natural order (no act-order)")
+        # A plain attribute, not a parameter: the tensors belong to (and are counted with)
+        # the head.
+        self.packed = packed
+        self.num_embeddings, self.embedding_dim = packed.out_features, packed.in_features
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:   # [T] -> [T, hidden] fp32
+        p = self.packed
+        ids = input_ids.reshape(-1)
+        rows = Packed(p.kind, p.qweight.index_select(0, ids), p.scales.index_select(0, ids),
+                      p.mins.index_select(0, ids) if p.mins is not None else None,
+                      p.group_size, ids.numel(), p.in_features)
+        return dequantize_stored(rows).view(*input_ids.shape, p.in_features)
+
+
+def share_packed_head_with_embedding(model: nn.Module) -> bool:
+    """Swap a tied float embedding for a PackedEmbedding over the packed head; True if done."""
+    inner = getattr(model, "model", None)
+    head = getattr(model, "lm_head", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if not (getattr(model, "args", None) is not None and model.args.tie_word_embeddings
+            and isinstance(embed, nn.Embedding) and head is not None):
+        return False
+    parts = getattr(head, "packed", None)
+    if not parts or len(parts) != 1 or parts[0].perm is not None \
+            or parts[0].out_features != embed.num_embeddings \
+            or parts[0].in_features != embed.embedding_dim:
+        return False
+    if getattr(head, "weight", None) is embed.weight:   # head still holds the float tensor
+        del head.weight
+    inner.embed_tokens = PackedEmbedding(parts[0])
+    return True
