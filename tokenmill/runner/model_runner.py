@@ -99,9 +99,7 @@ class ModelRunner:
 
     def _sample(self, logits: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput) -> None:
         # logits [num_sample, V]. A row with NaN/inf logits fails only its own request.
-        # A row sum is non-finite whenever the row holds NaN/inf: one cheap reduction.
-        bad = ~torch.isfinite(logits.sum(dim=-1))
-        any_bad = bool(bad.any())
+        safe_logits, bad_rows = _zero_nonfinite_rows(logits)
         rows = []
         for req_id in inp.sample_req_ids:
             state = self.states[req_id]
@@ -109,14 +107,13 @@ class ModelRunner:
                 state.generator.manual_seed(step_seed(state.seed, len(state.output_token_ids)))
             rows.append(RowSamplingState(state.params, state.prompt_token_ids,
                                          state.output_token_ids, state.generator))
-        safe_logits = torch.where(bad.unsqueeze(-1), torch.zeros_like(logits), logits) if any_bad else logits
         meta = build_sampling_metadata(rows, self.vocab_size, self.device, self.shared_generator)
         result = self.sampler(safe_logits, meta)
         sampled = result.sampled_token_ids.tolist()
         lp = result.logprobs.tolists() if result.logprobs is not None else None
         index = {req_id: i for i, req_id in enumerate(inp.req_ids)}
         for row, req_id in enumerate(inp.sample_req_ids):
-            if any_bad and bad[row]:
+            if bad_rows is not None and bad_rows[row]:
                 out.errors[req_id] = "the model produced non-finite logits (NaN or inf)"
                 continue
             state = self.states[req_id]
@@ -141,14 +138,10 @@ class ModelRunner:
                 rows.append(RowSamplingState(state.params, state.prompt_token_ids,
                                              state.output_token_ids + state.spec_token_ids[:j],
                                              generator))
-        bad = ~torch.isfinite(logits.sum(dim=-1))
-        any_bad = bool(bad.any())
-        if any_bad:
-            logits = torch.where(bad.unsqueeze(-1), torch.zeros_like(logits), logits)
+        logits, bad_rows = _zero_nonfinite_rows(logits)
         meta = build_sampling_metadata(rows, self.vocab_size, self.device, self.shared_generator)
         res = self.rejection_sampler(logits, meta, drafts)
         lp = res.logprobs.tolists() if res.logprobs is not None else None
-        bad_rows = bad.tolist() if any_bad else None
         index = {req_id: i for i, req_id in enumerate(inp.req_ids)}
         last_rows = []
         for b, req_id in enumerate(inp.sample_req_ids):
@@ -177,6 +170,16 @@ class ModelRunner:
             entries = [_position_logprobs(lp, r, num_top) for r in range(len(sl.next_token_ids))]
             # Entry k describes the prompt token at position first_position + 1 + k.
             out.prompt_logprobs[sl.req_id] = (sl.first_position + 1, entries)
+
+
+def _zero_nonfinite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, Optional[list[bool]]]:
+    """(logits with NaN/inf rows zeroed so sampling stays defined, per-row "bad" flags or
+    None when every row is finite). A row sum is non-finite whenever the row holds NaN/inf:
+    one cheap reduction in the common case."""
+    bad = ~torch.isfinite(logits.sum(dim=-1))
+    if not bool(bad.any()):
+        return logits, None
+    return torch.where(bad.unsqueeze(-1), torch.zeros_like(logits), logits), bad.tolist()
 
 
 def _flag_nonfinite(hidden: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput) -> None:
