@@ -5,7 +5,10 @@ import torch
 
 from tokenmill.layers.quant import formats as F
 from tokenmill.layers.quant import kernels
-from tokenmill.layers.quant.matmul import packed_linear, reference_linear
+from tokenmill.layers.quant.matmul import (activation_mode, packed_linear, quantize_activations_q8,
+                                           reference_linear, set_activation_mode)
+
+DEFAULT_MODE = activation_mode()
 
 SHAPES = [(96, 64, 32), (64, 256, 128), (200, 576, 64), (33, 1536, 32)]   # N, K, group
 
@@ -60,14 +63,40 @@ def test_pick_group_size():
 @pytest.mark.parametrize("kind", ["i8", "i8g", "i4", "f8"])
 @pytest.mark.parametrize("n,k,group", SHAPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])
-def test_kernel_matches_reference(kind, n, k, group, rows):
+@pytest.mark.parametrize("mode", ["fp32", "q8"])
+def test_kernel_matches_reference(kind, n, k, group, rows, mode):
     torch.manual_seed(n + k + rows)
     w = torch.randn(n, k)
     p = _packed(kind, w, group)
     x = torch.randn(rows, k)
-    ref = reference_linear(x, p)
-    got = packed_linear(x, p, kernel_max_rows=64)
+    ref = reference_linear(x, p, activations=mode)
+    set_activation_mode(mode)
+    try:
+        got = packed_linear(x, p, kernel_max_rows=64)
+    finally:
+        set_activation_mode(DEFAULT_MODE)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.skipif(not kernels.available(), reason="kernel needs x86-64 AVX2 and a C compiler")
+def test_kernel_activation_quantization_equals_reference():
+    torch.manual_seed(5)
+    x = torch.randn(3, 96) * torch.tensor([0.01, 1.0, 300.0]).repeat_interleave(32)
+    x[1, 32:64] = 0.0   # an all-zero run: scale 0, values 0
+    q, d = kernels.quantize_q8(x)
+    torch.testing.assert_close(q.float() * d.repeat_interleave(32, dim=1), quantize_activations_q8(x),
+                               rtol=0, atol=0)
+    assert q.abs().max() <= 127
+
+
+@pytest.mark.skipif(not kernels.available(), reason="kernel needs x86-64 AVX2 and a C compiler")
+def test_q8_activations_stay_close_to_float():
+    torch.manual_seed(6)
+    w, x = torch.randn(64, 256), torch.randn(2, 256)
+    p = F.quantize_int4(w, 32)
+    exact = reference_linear(x, p)
+    q8 = reference_linear(x, p, activations="q8")
+    assert (q8 - exact).abs().max() < 0.02 * exact.abs().max()
 
 
 @pytest.mark.skipif(not kernels.available(), reason="kernel needs x86-64 AVX2 and a C compiler")
@@ -79,7 +108,8 @@ def test_kernel_with_column_permutation_and_bias():
     p = F.quantize_int4(w[:, perm], 32)
     p.perm = perm
     x, bias = torch.randn(3, 128), torch.randn(64)
-    torch.testing.assert_close(packed_linear(x, p, bias), reference_linear(x, p, bias),
+    torch.testing.assert_close(packed_linear(x, p, bias),
+                               reference_linear(x, p, bias, activations=activation_mode()),
                                rtol=1e-4, atol=1e-4)
     # the reference undoes the permutation: it dequantizes close to the original weight
     assert (F.dequantize(p) - w).abs().max() < 0.5

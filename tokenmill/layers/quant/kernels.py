@@ -77,6 +77,10 @@ def load(build_dir: Optional[str] = None) -> Optional[ctypes.CDLL]:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.tm_qmm.argtypes = [p, i64, i64, p, p, p, i64, i64, i32, p, i32]
     lib.tm_qmm.restype = None
+    lib.tm_qmm_q8.argtypes = [p, i64, i64, p, p, p, i64, i64, i32, p, i32]
+    lib.tm_qmm_q8.restype = i32
+    lib.tm_quantize_q8.argtypes = [p, i64, i64, p, p]
+    lib.tm_quantize_q8.restype = None
     lib.tm_dequant.argtypes = [p, p, p, i64, i64, i64, i32, p, i32]
     lib.tm_dequant.restype = None
     _lib = lib
@@ -97,6 +101,29 @@ def qmm(x: torch.Tensor, kind: int, w: torch.Tensor, scales: torch.Tensor,
                 mins.data_ptr() if mins is not None else None, group_size, n, kind,
                 y.data_ptr(), torch.get_num_threads())
     return y
+
+
+def qmm_q8(x: torch.Tensor, kind: int, w: torch.Tensor, scales: torch.Tensor,
+           mins: Optional[torch.Tensor], group_size: int, n: int) -> torch.Tensor:
+    """Like ``qmm`` with x quantized to int8 per run of 32 values first (integer dot
+    products); kinds KIND_I8 / KIND_I4 only, K and group_size multiples of 32."""
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    if _lib.tm_qmm_q8(x.data_ptr(), m, k, w.data_ptr(), scales.data_ptr(),
+                      mins.data_ptr() if mins is not None else None, group_size, n, kind,
+                      y.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("quantized matmul could not allocate its activation buffer")
+    return y
+
+
+def quantize_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 contiguous (K % 32 == 0) -> (int8 [M, K], scales [M, K/32]) as the
+    kernel computes them (for tests)."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, k // 32, dtype=torch.float32)
+    _lib.tm_quantize_q8(x.data_ptr(), m, k, q.data_ptr(), d.data_ptr())
+    return q, d
 
 
 def dequant(kind: int, w: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor],

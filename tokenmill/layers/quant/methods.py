@@ -41,6 +41,12 @@ def set_packed(layer: nn.Module, parts: list[Packed]) -> None:
         delattr(layer, name)
     layer.quant_param_names = []
     for i, part in enumerate(parts):
+        # The kernel needs contiguous tensors (unpacked checkpoints often yield transposed
+        # views): a non-contiguous part would silently fall back to dequantize-per-call.
+        for attr in ("qweight", "scales", "mins"):
+            t = getattr(part, attr)
+            if t is not None and not t.is_contiguous():
+                setattr(part, attr, t.contiguous())
         suffix = "" if len(parts) == 1 else f"_{i}"
         for key, tensor in part.tensors().items():
             new_param(layer, key + suffix, tensor, output_dim=None)

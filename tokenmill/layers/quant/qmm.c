@@ -148,3 +148,114 @@ void tm_dequant(const uint8_t *w, const float *scale, const float *mins, int64_t
         }
     }
 }
+
+/* ---- integer dot products against int8-quantized activations (decode rows) ----------
+ * x is quantized per run of 32 values to int8 with its own scale d = max|x| / 127 (the
+ * Q8_0 scheme llama.cpp uses for its quantized matmuls); each 32-value product of weights
+ * and activations is then one vpmaddubsw + vpmaddwd in exact integer arithmetic, about a
+ * quarter of the instructions of expanding weights to fp32. The int4 affine term uses the
+ * exact fp32 group sums of x. Only kinds 0 (i8) and 1 (i4), G a multiple of 32. */
+void tm_quantize_q8(const float *x, int64_t M, int64_t K, int8_t *qx, float *dx) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < K / 32; b++) {
+            const float *v = x + m * K + b * 32;
+            __m256 amax = _mm256_setzero_ps();
+            const __m256 signbit = _mm256_set1_ps(-0.0f);
+            for (int j = 0; j < 4; j++)
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(signbit, _mm256_loadu_ps(v + 8 * j)));
+            __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+            a = _mm_max_ss(a, _mm_movehdup_ps(a));
+            const float d = _mm_cvtss_f32(a) / 127.0f;
+            dx[m * (K / 32) + b] = d;
+            const __m256 id = _mm256_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+            __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v), id));
+            __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8), id));
+            __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 16), id));
+            __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 24), id));
+            /* packs interleave 128-bit lanes; the permute restores value order */
+            __m256i p01 = _mm256_packs_epi32(i0, i1), p23 = _mm256_packs_epi32(i2, i3);
+            __m256i p = _mm256_packs_epi16(p01, p23);
+            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(qx + m * K + b * 32), p);
+        }
+}
+
+INLINE __m256i load_w32(const uint8_t *w, int64_t k, int kind) {
+    if (kind == 1) {   /* 16 bytes -> 32 values 0..15 in order (low nibbles first) */
+        __m128i b = _mm_loadu_si128((const __m128i *)(w + k / 2));
+        const __m128i low = _mm_set1_epi8(0x0F);
+        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+    }
+    return _mm256_loadu_si256((const __m256i *)(w + k));
+}
+
+INLINE void row_dot_q8(const int8_t *qx, const float *dx, const int mb, int64_t K,
+                       const uint8_t *w, const float *scale, const float *mins, int64_t G,
+                       int kind, const float *xsum, float *out) {
+    const int64_t ngroups = K / G, nb = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4];
+    float lin[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int m = 0; m < mb; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ngroups; g++) {
+        __m256 part[4];
+        for (int m = 0; m < mb; m++) part[m] = _mm256_setzero_ps();
+        for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+            __m256i wv = load_w32(w, k, kind);
+            __m256i wu = kind == 1 ? wv : _mm256_sign_epi8(wv, wv);   /* unsigned operand */
+            for (int m = 0; m < mb; m++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + m * K + k));
+                if (kind != 1) xv = _mm256_sign_epi8(xv, wv);
+                __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones);
+                part[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                                          _mm256_set1_ps(dx[m * nb + k / 32]), part[m]);
+            }
+        }
+        __m256 s = _mm256_set1_ps(scale[g]);
+        for (int m = 0; m < mb; m++) {
+            acc[m] = _mm256_fmadd_ps(s, part[m], acc[m]);
+            if (kind == 1) lin[m] += mins[g] * xsum[m * ngroups + g];
+        }
+    }
+    for (int m = 0; m < mb; m++) out[m] = hsum(acc[m]) + lin[m];
+}
+
+#define ROWS_Q8(KIND)                                                                       \
+    for (int64_t m0 = 0; m0 < M; m0 += MB) {                                                 \
+        int mb = M - m0 < MB ? (int)(M - m0) : MB;                                          \
+        const int8_t *q0 = qx + m0 * K;                                                     \
+        const float *d0 = dx + m0 * nb, *xs = xsum ? xsum + m0 * ngroups : NULL;            \
+        if (mb == 4) row_dot_q8(q0, d0, 4, K, wr, sr, mr, G, KIND, xs, out);                \
+        else if (mb == 3) row_dot_q8(q0, d0, 3, K, wr, sr, mr, G, KIND, xs, out);           \
+        else if (mb == 2) row_dot_q8(q0, d0, 2, K, wr, sr, mr, G, KIND, xs, out);           \
+        else row_dot_q8(q0, d0, 1, K, wr, sr, mr, G, KIND, xs, out);                        \
+        for (int m = 0; m < mb; m++) y[(m0 + m) * N + n] = out[m];                           \
+    }
+
+/* Returns nonzero when a buffer could not be allocated (y untouched). */
+int tm_qmm_q8(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale,
+              const float *mins, int64_t G, int64_t N, int kind, float *y, int nthreads) {
+    const int64_t ngroups = K / G, nb = K / 32, row_bytes = kind == 1 ? K / 2 : K;
+    int8_t *qx = (int8_t *)malloc((size_t)(M * K));
+    float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
+    float *xsum = kind == 1 ? (float *)malloc(sizeof(float) * (size_t)(M * ngroups)) : NULL;
+    if (!qx || !dx || (kind == 1 && !xsum)) { free(qx); free(dx); free(xsum); return 1; }
+    tm_quantize_q8(x, M, K, qx, dx);
+    if (kind == 1)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t g = 0; g < ngroups; g++) {
+                float s = 0.0f;
+                for (int64_t k = g * G; k < (g + 1) * G; k++) s += x[m * K + k];
+                xsum[m * ngroups + g] = s;
+            }
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t n = 0; n < N; n++) {
+        float out[MB];
+        const uint8_t *wr = w + n * row_bytes;
+        const float *sr = scale + n * ngroups, *mr = mins ? mins + n * ngroups : NULL;
+        if (kind == 0) { ROWS_Q8(0) } else { ROWS_Q8(1) }
+    }
+    free(qx); free(dx); free(xsum);
+    return 0;
+}
