@@ -102,3 +102,15 @@ def test_disabled_kernels_return_none():
 def test_not_applicable_inputs_fall_back():
     assert cpu_ops.rms_norm(torch.ones(1, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-6) is None
     assert cpu_ops.silu_mul(torch.ones(3, 8)[:, :6].t()) is None   # non-contiguous
+
+
+def test_rmsnorm_module_takes_the_fused_path(monkeypatch):
+    """The module's weight is an nn.Parameter: the fast path must accept it."""
+    from tokenmill.layers.norm import RMSNorm
+    norm = RMSNorm(64, 1e-5)
+    calls = []
+    real = cpu_ops._lib.tm_rms_norm
+    monkeypatch.setattr(cpu_ops._lib, "tm_rms_norm", lambda *a: (calls.append(1), real(*a))[1])
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(norm(x), cpu_ops.rms_norm_reference(x, norm.weight, 1e-5), rtol=2e-6, atol=2e-6)
+    assert calls

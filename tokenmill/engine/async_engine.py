@@ -54,6 +54,8 @@ class EngineSnapshot:
     prefix_cache_queries: int = 0        # cumulative prompt tokens looked up
     prefix_cache_hits: int = 0
     new_queue_times: tuple = ()          # seconds, requests finished since the last snapshot
+    spec_decode: Optional[dict] = None   # cumulative speculative counters (None: no speculation)
+    new_spec_requests: tuple = ()        # RequestSpecStats of requests finished since the last one
 
 
 class _Stream:
@@ -95,6 +97,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Stream]] = {}
         self._thread: Optional[threading.Thread] = None
         self._num_queue_times_seen = 0
+        self._num_spec_seen = 0
 
     # -- lifecycle (any thread) ---------------------------------------------------------------
     def start(self) -> None:
@@ -269,6 +272,11 @@ class AsyncEngine:
         sched, stats = eng.scheduler, eng.stats
         new_queue_times = tuple(stats.queue_times.since(self._num_queue_times_seen))
         self._num_queue_times_seen = stats.queue_times.count
+        spec, spec_counters, new_spec = eng.runner.spec, None, ()
+        if spec is not None:
+            spec_counters = spec.stats.counters()
+            new_spec = tuple(spec.stats.finished_since(self._num_spec_seen))
+            self._num_spec_seen = spec.stats.num_finished
         return EngineSnapshot(
             num_running=len(sched.running), num_waiting=len(sched.waiting),
             kv_cache_usage=sched.kv.usage, num_preemptions=sched.num_preemptions,
@@ -276,7 +284,8 @@ class AsyncEngine:
             num_generation_tokens=stats.num_generated_tokens,
             prefix_cache_queries=sched.kv.prefix_stats.num_queries,
             prefix_cache_hits=sched.kv.prefix_stats.num_hits,
-            new_queue_times=new_queue_times)
+            new_queue_times=new_queue_times, spec_decode=spec_counters,
+            new_spec_requests=new_spec)
 
 
 class RequestHandle:

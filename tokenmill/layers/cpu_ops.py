@@ -59,7 +59,8 @@ def active() -> bool:
 
 
 def _ok(*tensors: torch.Tensor) -> bool:
-    return all(type(t) is torch.Tensor and t.device.type == "cpu" and t.dtype == torch.float32
+    # isinstance, not duck typing: a quantized KV cache object must not pass as a tensor
+    return all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.float32
                for t in tensors)
 
 

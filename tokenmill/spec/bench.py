@@ -1,18 +1,33 @@
 """`tokenmill bench spec`: speculative decoding speed against no speculation, measured in one
-run on one engine (the same weights and KV pool; the drafter is swapped between runs), runs
-interleaved ABAB..., medians of --repeats after a warm-up, with the load average printed.
+run on one engine (the same weights and KV pool; the drafter is swapped between runs).
 
-Workloads: *grounded* (repeat / rewrite / answer from a given text: the output copies the
-input, which n-gram lookup exploits) and *chat* (open-ended questions). Per configuration:
-tokens/s ratio over no speculation, mean acceptance length tau (tokens per target forward for
-a drafted request, bonus included) and per-position acceptance.
+For each workload x temperature x batch size, no speculation and every requested method run
+interleaved (none, m1, m2, ..., none, m1, ...) for ``--repeats`` rounds after a warm-up round,
+so a change of machine load hits all of them alike; the load average is printed beside each
+row. Batch B runs max(B, --min-prompts) prompts with at most B at a time.
+
+Workloads: *grounded* (repeat / rewrite / answer a question from a given ShareGPT text: the
+output copies the input, which n-gram lookup exploits) and *chat* (ShareGPT opening user
+turns, open-ended). ``--prompt-source builtin`` uses small built-in sets instead (offline).
+
+Per row: output tok/s (median over rounds; prompts are prefix-cached after the warm-up, so
+this is nearly all decoding), ratio over no speculation (median of per-round ratios), mean
+acceptance length tau (tokens per target forward for a drafted request, bonus included),
+acceptance rate, per-position acceptance (accepted at position j / drafts), the engine's own
+estimated speedup (tokenmill.spec.metrics) for comparison with the measured ratio, the k the
+adaptive controller chose, and the share of outputs identical to no speculation (greedy at
+temperature 0; per-request seeds at temperature > 0, where speculation is exact too).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import statistics
+import sys
 import time
 
 from tokenmill.bench.common import emit, machine_info
+from tokenmill.bench.report import Chart, add_output_args, progress
 
 TEXTS = [
     "The river town of Millbrook holds a market every Saturday. Farmers bring apples, honey and "
@@ -28,12 +43,6 @@ TEXTS = [
     "instead of nine, the reading room will stay quiet after six, and a new shelf for local "
     "history books will be built next to the main entrance before the end of the year.",
 ]
-TASKS = [   # text first, then the instruction: the form SmolLM2-135M copies most faithfully
-    "Here is a text:\n\n{text}\n\nWrite the text again, exactly as it is.",
-    "Here is a text:\n\n{text}\n\nCopy the text above word for word.",
-    "Here is a text:\n\n{text}\n\nRewrite the text above, keeping every sentence.",
-    "Here is a text:\n\n{text}\n\nRepeat the first two sentences of the text.",
-]
 CHAT = [
     "Tell me a short story about a dragon who learns to cook.", "What makes a good friend?",
     "Give me three ideas for a rainy weekend.", "Why is the sky blue? Explain simply.",
@@ -43,104 +52,216 @@ CHAT = [
     "Write a limerick about a frog.", "How can I sleep better?", "What is the moon made of?",
     "Tell me a fun fact about octopuses.", "Plan a small birthday party for a child.",
 ]
+# Text first, then the instruction: the form SmolLM2-135M copies most faithfully.
+GROUNDED_TASKS = {
+    "repeat": "Here is a text:\n\n{text}\n\nWrite the text again, exactly as it is.",
+    "rewrite": "Here is a text:\n\n{text}\n\nRewrite the text above, keeping every sentence.",
+    "answer": "Here is a text:\n\n{text}\n\nUsing only the text above, answer: {question}",
+}
+METHODS = ("ngram", "layer_skip", "draft_model")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("spec", help="speculative decoding speedup vs none (ngram, layer_skip, adaptive)")
+    p = sub.add_parser("spec", help="speculative decoding speedup vs none (ngram, layer_skip, "
+                                    "draft_model; adaptive_<method> for adaptive k)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--batch-sizes", default="1,16")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--min-prompts", type=int, default=4,
+                   help="prompts per run at least (batch 1 runs them one at a time)")
+    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--methods", "--configs", dest="methods",
+                   default="ngram,adaptive_ngram,layer_skip,adaptive_layer_skip",
+                   help=f"comma list of {', '.join(METHODS)}, each optionally adaptive_<method>")
     p.add_argument("--layer-skip-layers", type=int, default=8)
+    p.add_argument("--draft-model", default=None, help="checkpoint for draft_model")
     p.add_argument("--workloads", default="grounded,chat")
-    p.add_argument("--configs", default="ngram,layer_skip,adaptive_ngram,adaptive_layer_skip")
+    p.add_argument("--temperature", default="0",
+                   help="comma list of temperatures; 0 is always measured (e.g. --temperature 1)")
+    p.add_argument("--prompt-source", choices=["sharegpt", "builtin"], default="sharegpt")
+    p.add_argument("--kv-cache-memory", type=int, default=1024, help="MiB")
     p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, help="also write the result to this file")
+    add_output_args(p)
     p.set_defaults(func=run)
 
 
-def _configs(names: list[str], k: int, layers: int) -> dict:
+def _configs(names: list[str], args) -> dict:
     from tokenmill.config import SpeculativeConfig
-    table = {
-        "ngram": dict(method="ngram", prompt_lookup_min=2, prompt_lookup_max=4, adaptive=False),
-        "layer_skip": dict(method="layer_skip", num_layers=layers, adaptive=False),
-        "adaptive_ngram": dict(method="ngram", prompt_lookup_min=2, prompt_lookup_max=4),
-        "adaptive_layer_skip": dict(method="layer_skip", num_layers=layers),
-    }
-    return {n: SpeculativeConfig(num_speculative_tokens=k, **table[n]) for n in names}
+    out = {}
+    for name in names:
+        method = name.removeprefix("adaptive_")
+        if method not in METHODS:
+            raise ValueError(f"unknown method {name!r}; choose from {METHODS} (or adaptive_<method>)")
+        extra = {"ngram": dict(prompt_lookup_min=2, prompt_lookup_max=4),
+                 "layer_skip": dict(num_layers=args.layer_skip_layers),
+                 "draft_model": dict(model=args.draft_model)}[method]
+        out[name] = SpeculativeConfig(method=method, num_speculative_tokens=args.k,
+                                      adaptive=name.startswith("adaptive_"), **extra)
+    return out
 
 
-def _prompts(tokenizer, workload: str, num: int) -> list[dict]:
+# -- prompts --------------------------------------------------------------------------------------
+def _plain(text: str, lo: int, hi: int) -> bool:
+    return lo <= len(text) <= hi and "```" not in text and \
+        sum(c.isascii() for c in text) >= 0.98 * len(text)
+
+
+_OPENERS = {"write", "explain", "tell", "give", "describe", "how", "what", "why", "can", "could",
+            "create", "suggest", "list", "summarize", "compare", "help", "plan", "generate"}
+
+
+def _is_request(question: str) -> bool:
+    """A self-contained opening turn (ShareGPT also holds mid-conversation fragments)."""
+    words = question.split()
+    return bool(words) and (question.endswith("?") or words[0].lower().strip(",.:") in _OPENERS)
+
+
+@functools.lru_cache(maxsize=1)
+def _sharegpt_pool(size: int = 64) -> dict:
+    """One pass over ShareGPT's benchmark split (deterministic, file order): up to ``size``
+    grounded prompts (an assistant answer as the given text; repeat / rewrite / answer its
+    original question, in turn) and ``size`` chat prompts (short opening user requests)."""
+    from tokenmill.data.sharegpt import conversations
+    pool = {"grounded": [], "chat": []}
+    tasks = list(GROUNDED_TASKS.values())
+    for conv in conversations("benchmark"):
+        question, answer = conv[0]["content"].strip(), conv[1]["content"].strip()
+        chat, grounded = pool["chat"], pool["grounded"]
+        if len(chat) < size and _plain(question, 20, 300) and _is_request(question):
+            chat.append(question)
+        if len(grounded) < size and _plain(answer, 300, 900) and _plain(question, 10, 300):
+            grounded.append(tasks[len(grounded) % len(tasks)].format(text=answer, question=question))
+        if len(chat) == len(grounded) == size:
+            break
+    return pool
+
+
+def sharegpt_messages(workload: str, num: int) -> list[str]:
+    pool = _sharegpt_pool()[workload]
+    return [pool[i % len(pool)] for i in range(num)] if pool else []
+
+
+def builtin_messages(workload: str, num: int) -> list[str]:
     if workload == "grounded":
-        texts = [t.format(text=x) for x in TEXTS for t in TASKS]
+        texts = [t.format(text=x, question="What is the text about?")
+                 for x in TEXTS for t in GROUNDED_TASKS.values()]
     else:
         texts = CHAT
-    texts = [texts[i % len(texts)] for i in range(num)]
-    return [{"prompt_token_ids": tokenizer.apply_chat_template(
+    return [texts[i % len(texts)] for i in range(num)]
+
+
+def _prompts(tokenizer, workload: str, num: int, source: str) -> tuple[list[dict], str]:
+    texts = []
+    if source == "sharegpt":
+        try:
+            texts = sharegpt_messages(workload, num)
+        except Exception as e:     # no network and no cache: say so, measure anyway
+            print(f"tokenmill bench spec: ShareGPT unavailable ({e}); using built-in prompts",
+                  file=sys.stderr)
+            source = "builtin"
+    if len(texts) < num:
+        texts, source = builtin_messages(workload, num), "builtin"
+    prompts = [{"prompt_token_ids": tokenizer.apply_chat_template(
         [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True)} for t in texts]
+    return prompts, source
 
 
-def _timed(llm, prompts, max_tokens: int) -> float:
-    from tokenmill import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t)
-
-
+# -- measuring ------------------------------------------------------------------------------------
 def _use(engine, decoder) -> None:
     """Swap the drafter (None = no speculation); only between runs, when nothing is queued."""
     engine.runner.spec = decoder
     engine.scheduler.num_lookahead_tokens = decoder.num_lookahead_tokens if decoder else 0
 
 
-def _measure(llm, decoders: dict, prompts, args) -> dict:
+def _generate(llm, prompts, params) -> tuple[float, list[tuple[int, ...]]]:
+    """(output tok/s, output token ids per prompt)."""
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t
+    tokens = [tuple(o.outputs[0].token_ids) for o in outs]
+    return sum(map(len, tokens)) / seconds, tokens
+
+
+def _row_stats(dec, rounds: list[float], ratios: list[float], same: float) -> dict:
+    s = dec.stats
+    per_pos = [round(a / s.num_drafts, 3) if s.num_drafts else 0.0 for a in s.accepted_per_position]
+    return {"tok_s": round(statistics.median(rounds), 2), "ratio": round(statistics.median(ratios), 3),
+            "tau": round(s.mean_acceptance_length, 3), "acceptance_rate": round(s.acceptance_rate, 3),
+            "accepted_per_position": per_pos, "est_speedup": round(s.estimated_speedup, 3),
+            "identical": round(same, 3),
+            "k_chosen": " ".join(f"{k}:{n}" for k, n in sorted(s.k_chosen.items()))}
+
+
+def _measure(llm, decoders: dict, prompts, params, args, bar) -> dict:
+    """Interleaved rounds; returns method -> row fields."""
     engine = llm.engine
     rates = {name: [] for name in decoders}
+    outputs = {}
     for rep in range(args.repeats + 1):            # round 0 is the warm-up
         for name, dec in decoders.items():
             _use(engine, dec)
-            rate = _timed(llm, prompts, args.max_tokens)
-            if rep:
+            rate, tokens = _generate(llm, prompts, params)
+            bar.update()
+            if rep == 0:
+                outputs[name] = tokens
+                if dec is not None:
+                    dec.reset_stats()              # counters cover the timed rounds only
+            else:
                 rates[name].append(rate)
     _use(engine, None)
-    base = statistics.median(rates["none"])
-    row = {"none_tok_s": round(base, 2)}
+    rows = {"none": {"tok_s": round(statistics.median(rates["none"]), 2), "ratio": 1.0}}
     for name, dec in decoders.items():
-        if name == "none":
-            continue
-        s = dec.stats
-        row[name] = {"ratio": round(statistics.median(rates[name]) / base, 3),
-                     "tok_s": round(statistics.median(rates[name]), 2),
-                     "tau": round(s.mean_acceptance_length, 3),
-                     "accepted_per_position": [round(a / s.num_drafts, 3) if s.num_drafts else 0.0
-                                               for a in s.accepted_per_position],
-                     "k_chosen": dict(sorted(s.k_chosen.items()))}
-    return row
+        if dec is not None:
+            ratios = [r / b for r, b in zip(rates[name], rates["none"])]
+            same = sum(a == b for a, b in zip(outputs[name], outputs["none"])) / len(prompts)
+            rows[name] = _row_stats(dec, rates[name], ratios, same)
+    return rows
 
 
 def run(args) -> int:
-    from tokenmill import LLM
+    from tokenmill import LLM, SamplingParams
     from tokenmill.spec.decoder import build_spec_decoder
     sizes = [int(x) for x in args.batch_sizes.split(",")]
+    temps = sorted({0.0} | {float(t) for t in args.temperature.split(",") if t.strip()})
+    workloads = args.workloads.split(",")
+    configs = _configs(args.methods.split(","), args)
     llm = LLM(model=args.model, num_threads=args.num_threads, max_num_seqs=max(sizes),
-              kv_cache_memory=768 * 1024**2)
+              kv_cache_memory=args.kv_cache_memory * 1024**2)
     engine = llm.engine
-    result = {"bench": "spec", "model": args.model, "max_tokens": args.max_tokens,
-              "k": args.k, "repeats": args.repeats, "machine_before": machine_info(), "rows": []}
-    configs = _configs(args.configs.split(","), args.k, args.layer_skip_layers)
-    for workload in args.workloads.split(","):
-        for batch in sizes:
-            decoders = {"none": None}
-            for name, cfg in configs.items():       # fresh counters per row
-                decoders[name] = build_spec_decoder(cfg, engine.runner, engine.max_model_len,
-                                                    engine.scheduler.kv.num_total_blocks)
-            prompts = _prompts(engine.tokenizer, workload, batch)
-            row = {"workload": workload, "batch": batch, **_measure(llm, decoders, prompts, args),
-                   "load_avg_1m": machine_info()["load_avg_1m"]}
-            print(row, flush=True)
-            result["rows"].append(row)
+    full_sched = engine.scheduler.config
+    result = {"bench": "spec", "model": args.model, "max_tokens": args.max_tokens, "k": args.k,
+              "repeats": args.repeats, "methods": ",".join(configs), "machine_before": machine_info(),
+              "rows": []}
+    sources = set()
+    total = len(workloads) * len(temps) * len(sizes) * (args.repeats + 1) * (len(configs) + 1)
+    bar = progress(total, "bench spec", args.progress)
+    for workload in workloads:
+        for temp in temps:
+            for batch in sizes:
+                num = max(batch, args.min_prompts)
+                prompts, source = _prompts(engine.tokenizer, workload, num, args.prompt_source)
+                sources.add(source)
+                params = [SamplingParams(temperature=temp, max_tokens=args.max_tokens, ignore_eos=True,
+                                         seed=None if temp == 0 else 1000 + i) for i in range(num)]
+                decoders = {"none": None}
+                for name, cfg in configs.items():   # fresh counters and controllers per row
+                    decoders[name] = build_spec_decoder(cfg, engine.runner, engine.max_model_len,
+                                                        engine.scheduler.kv.num_total_blocks)
+                engine.scheduler.config = dataclasses.replace(full_sched, max_num_seqs=batch)
+                measured = _measure(llm, decoders, prompts, params, args, bar)
+                engine.scheduler.config = full_sched
+                load = machine_info()["load_avg_1m"]
+                for method, fields in measured.items():
+                    row = {"config": f"{workload} T={temp:g} b={batch} {method}", "workload": workload,
+                           "temperature": temp, "batch": batch, "method": method, **fields,
+                           "load_avg_1m": load}
+                    print(row, file=sys.stderr, flush=True)
+                    result["rows"].append(row)
+    bar.close()
+    result["prompt_source"] = ",".join(sorted(sources))
     result["machine_after"] = machine_info()
-    emit(result, args.json)
+    emit(result, args.json, args.output_dir, name="spec",
+         chart=Chart("config", ("ratio", "tau", "tok_s"), title=f"speculative decoding, {args.model}"))
     return 0

@@ -3,8 +3,12 @@ what the step cost and produced, for the adaptive choice of k and the counters, 
 for the next step and (3) asks the proposer for that many drafts per request.
 
 Timing attribution: a step that verifies drafts is charged its own time (forward + rejection
-sampling) plus the drafting time spent after the previous step to produce those drafts.
-Only steps where every scheduled request was decoding (no prefill chunk) are measured."""
+sampling, from ``t_start``, the runner's step start, to ``after_step``) plus the drafting time
+spent after the previous step to produce those drafts. Only steps where every scheduled
+request was decoding (no prefill chunk) feed the adaptive choice, the plain step cost c(B) and
+the estimated speedup; counters and draft / verify times count every step. Terms are defined
+in tokenmill.spec.metrics; per-request stats are kept until ``finish_request`` (called by the
+engine when a request finishes or is aborted) moves them to a bounded recent list."""
 from __future__ import annotations
 
 import time
@@ -14,7 +18,7 @@ import torch
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.spec.adaptive import AdaptiveK, FixedK
-from tokenmill.spec.metrics import SpecDecodingStats
+from tokenmill.spec.metrics import PlainStepCost, SpecDecodingStats
 
 
 class SpecDecoder:
@@ -27,7 +31,9 @@ class SpecDecoder:
         self.block_size = block_size
         self.controller = AdaptiveK(self.k_max) if config.adaptive else FixedK(self.k_max)
         self.stats = SpecDecodingStats(self.k_max)
-        self._pending: Optional[tuple[int, int, float]] = None   # (batch size, k, draft seconds)
+        self.plain_cost = PlainStepCost()
+        # (batch size, k, draft seconds, ids of the requests drafted for)
+        self._pending: Optional[tuple[int, int, float, frozenset]] = None
         self._drafted: set[str] = set()     # requests the proposer may hold state for
 
     @property
@@ -50,19 +56,32 @@ class SpecDecoder:
         if not rows:
             return {}
         k = self.controller.choose(len(rows))
+        if k > 0 and self.plain_cost.wants_sample(len(rows)):
+            k = 0       # a plain step now and then measures c(B) (for the estimated speedup)
         self.stats.k_chosen[k] = self.stats.k_chosen.get(k, 0) + 1
         if k == 0:
-            self._pending = (len(rows), 0, 0.0)
+            self._pending = (len(rows), 0, 0.0, frozenset())
             return {}
         t0 = time.perf_counter()
         states = [runner.states[inp.sample_req_ids[b]] for b in rows]
         caps = [self._cap(s, k) for s in states]
         drafts = self.proposer.propose(states, caps, hidden[rows])
         seconds = time.perf_counter() - t0
-        self._drafted.update(s.req_id for s in states)
+        ids = frozenset(s.req_id for s in states)
+        self._drafted |= ids
         self.stats.draft_time += seconds
-        self._pending = (len(rows), k, seconds)
+        for req_id in ids:
+            self.stats.request(req_id).draft_time += seconds
+        self._pending = (len(rows), k, seconds, ids)
         return {s.req_id: d for s, d in zip(states, drafts) if d}
+
+    def finish_request(self, req_id: str) -> None:
+        """The engine finished or aborted the request: its stats join the recent list."""
+        self.stats.finish(req_id)
+
+    def reset_stats(self) -> None:
+        """Fresh counters (the adaptive controller and c(B) keep what they learned)."""
+        self.stats = SpecDecodingStats(self.k_max)
 
     def _cap(self, state, k: int) -> int:
         """Drafts a request can take: none past max_model_len, and a lookahead drafter must
@@ -79,22 +98,57 @@ class SpecDecoder:
         emitted = 0
         for req_id, tokens in zip(out.req_ids, out.sampled_token_ids):
             emitted += len(tokens)
-            self.stats.on_verified(num_drafts.get(req_id, 0), len(tokens))
+            if tokens:
+                self.stats.request(req_id).num_output_tokens += len(tokens)
+            self.stats.on_verified(num_drafts.get(req_id, 0), len(tokens), req_id, seconds)
         if num_drafts:
             self.stats.num_steps += 1
             self.stats.verify_time += seconds
         # Every scheduled request ran exactly its newest token + drafts: no prefill chunk.
         decode_only = inp.attn_meta.num_tokens == len(inp.sample_req_ids) + sum(inp.num_draft_tokens) \
             and len(inp.sample_req_ids) == len(inp.req_ids)
-        if pending is None or not decode_only or not emitted:
+        if not decode_only or not emitted:
             return
-        batch, k, draft_seconds = pending
+        if not num_drafts:
+            self.plain_cost.record(len(inp.sample_req_ids), seconds)
+        if pending is None:
+            return
+        batch, k, draft_seconds, drafted = pending
+        self._estimate(inp.sample_req_ids, out, seconds, draft_seconds, drafted)
         # A step whose requests got no drafts (no n-gram match) was a plain step: it says
         # nothing about verifying k drafts, so it counts for k = 0.
         self.controller.record(batch, k if num_drafts else 0, emitted, seconds + draft_seconds)
 
+    def _estimate(self, sample_req_ids, out, seconds: float, draft_seconds: float,
+                  drafted: frozenset) -> None:
+        """Adds one decode-only step to the estimated speedup's sums (tokens x c(B) against
+        the step's seconds + the drafting done for it), aggregate and per request."""
+        batch = len(sample_req_ids)
+        cost = self.plain_cost.get(batch)
+        if cost is None:
+            return
+        tokens = {r: len(t) for r, t in zip(out.req_ids, out.sampled_token_ids)}
+        stats = self.stats
+        stats.plain_equiv_time += sum(tokens.get(r, 0) for r in sample_req_ids) * cost / batch
+        stats.measured_time += seconds + draft_seconds
+        for req_id in sample_req_ids:
+            if tokens.get(req_id):
+                r = stats.request(req_id)
+                r.plain_equiv_time += tokens[req_id] * cost
+                r.measured_time += seconds + (draft_seconds if req_id in drafted else 0.0)
+
     def snapshot(self) -> dict:
-        return self.stats.snapshot(self.controller.estimated_speedup())
+        """Flat ``spec_*`` keys plus ``spec_decode``: the aggregate with vLLM's names, the
+        configuration, c(B) per batch bucket and ``requests`` (recent finished + running)."""
+        flat = self.stats.snapshot(self.controller.estimated_speedup())
+        flat["spec_decode"] = {
+            "method": self.config.method, "num_speculative_tokens": self.k_max,
+            "adaptive": bool(self.config.adaptive), **self.stats.counters(),
+            "k_chosen": dict(sorted(self.stats.k_chosen.items())),
+            "plain_step_ms": {b: round(1000 * s, 3) for b, s in sorted(self.plain_cost.seconds.items())},
+            "requests": self.stats.requests(),
+        }
+        return flat
 
 
 class LayerSkipModel:

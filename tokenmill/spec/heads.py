@@ -166,4 +166,4 @@ def build_eagle(path: Optional[str], target: LlamaForCausalLM, seed: int, device
     else:
         _, tensors = _read_dir(path)
         load_weights(head, ((n, t) for n, t in tensors if not n.startswith("embed_tokens")))
-    return head.to(device=device, dtype=target.model.embed_tokens.weight.dtype).eval()
+    return head.to(device=device, dtype=target.model.norm.weight.dtype).eval()

@@ -2,8 +2,9 @@
 
 Each server gets its own CollectorRegistry (no process-global state, so tests can build several
 apps). Latencies are observed from the event loop as clients see them; engine-side state
-(running / waiting, KV usage, preemptions, token and prefix-cache counters) arrives as an
-EngineSnapshot from the engine thread after each step. prometheus_client is thread-safe.
+(running / waiting, KV usage, preemptions, token, prefix-cache and speculative decoding
+counters) arrives as an EngineSnapshot from the engine thread after each step.
+prometheus_client is thread-safe.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tokenmill.engine.async_engine import EngineSnapshot, RequestHandle
+from tokenmill.entrypoints.openai.spec_metrics import SpecDecodeMetrics
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -39,13 +41,9 @@ class ServerMetrics:
         self.generation_tokens = Counter(_P + "generation_tokens", "Tokens generated", labels, registry=r)
         self.prefix_queries = Counter(_P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels, registry=r)
         self.prefix_hits = Counter(_P + "prefix_cache_hits", "Prompt tokens served by the prefix cache", labels, registry=r)
-        # No speculative decoding yet: the counters exist so dashboards need no change later.
-        self.spec_drafts = Counter(_P + "spec_decode_num_draft_tokens", "Draft tokens proposed", labels, registry=r)
-        self.spec_accepted = Counter(_P + "spec_decode_num_accepted_tokens", "Draft tokens accepted", labels, registry=r)
+        self.spec = SpecDecodeMetrics(r, model_name)     # tokenmill:spec_decode_*
         self.request_success = Counter(_P + "request_success", "Finished requests", labels + ["finished_reason"], registry=r)
         self.request_errors = Counter(_P + "request_errors", "Requests answered with an HTTP error", labels + ["status"], registry=r)
-        for metric in (self.spec_drafts, self.spec_accepted):
-            metric.labels(model_name)   # exported at 0 from the start
         self._last = EngineSnapshot()
         self._lock = threading.Lock()
 
@@ -64,6 +62,7 @@ class ServerMetrics:
         self._advance(self.generation_tokens, snap.num_generation_tokens - last.num_generation_tokens)
         self._advance(self.prefix_queries, snap.prefix_cache_queries - last.prefix_cache_queries)
         self._advance(self.prefix_hits, snap.prefix_cache_hits - last.prefix_cache_hits)
+        self.spec.on_snapshot(snap.spec_decode, last.spec_decode, snap.new_spec_requests)
 
     def _advance(self, counter: Counter, delta: int) -> None:
         if delta > 0:
