@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -39,15 +40,22 @@ class ModelConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache geometry. The pool is sized by ``num_kv_blocks`` if given, else by
-    ``kv_cache_memory`` bytes, else (CUDA) ``gpu_memory_utilization`` of device memory."""
+    ``kv_cache_memory`` bytes, else (CUDA) ``gpu_memory_utilization`` of device memory.
+    ``kv_cache_dtype``: "auto" stores K/V in the model dtype; "int8" / "fp8" (E4M3, also
+    spelled "fp8_e4m3") store them quantized with a scale per token per KV head, so the same
+    memory holds about 4x (vs float32) the tokens."""
 
     block_size: int = 16
     num_kv_blocks: Optional[int] = None
     kv_cache_memory: Optional[int] = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int)

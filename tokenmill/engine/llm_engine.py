@@ -16,7 +16,8 @@ from tokenmill.models.loader import load_tokenizer, open_checkpoint
 from tokenmill.outputs import RequestOutput
 from tokenmill.platform import pick_device, resolve_dtype, set_num_threads
 from tokenmill.request import RequestStatus
-from tokenmill.runner.kv_tensors import bytes_per_block, decide_num_blocks
+from tokenmill.runner.kv_tensors import (bytes_per_block, decide_num_blocks, kv_cache_nbytes,
+                                         kv_storage_dtype)
 from tokenmill.runner.model_loader import build_model
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
@@ -41,13 +42,20 @@ class LLMEngine:
         self.weight_bytes = sum(p.numel() * p.element_size()
                                 for p in {id(p): p for p in self.model.parameters()}.values())
         a = self.model.args
+        self.kv_dtype = kv_storage_dtype(cc.kv_cache_dtype, self.dtype)
+        if self.kv_dtype != self.dtype and config.speculative is not None \
+                and config.speculative.method == "draft_model":
+            raise ValueError(f"kv_cache_dtype={cc.kv_cache_dtype!r} does not work with a "
+                             "draft_model speculator yet; use kv_cache_dtype='auto'")
         per_block = bytes_per_block(a.num_hidden_layers, cc.block_size, a.num_key_value_heads,
-                                    a.head_dim, self.dtype)
+                                    a.head_dim, self.kv_dtype)
+        self.kv_bytes_per_token = per_block // cc.block_size
         num_blocks = decide_num_blocks(cc.num_kv_blocks, cc.kv_cache_memory,
                                        cc.gpu_memory_utilization, per_block, self.device,
                                        self.weight_bytes)
-        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.device, self.dtype,
-                                  mc.attention_backend, seed=mc.seed)
+        # The runner's dtype argument is the KV storage dtype (it allocates the caches).
+        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.device,
+                                  self.kv_dtype, mc.attention_backend, seed=mc.seed)
         lookahead = 0
         if config.speculative is not None:
             from tokenmill.spec.decoder import build_spec_decoder
@@ -87,7 +95,7 @@ class LLMEngine:
             req = self.scheduler.requests.get(child)
             self.scheduler.finish_requests(child, RequestStatus.FINISHED_ABORTED)
             if req is not None:
-                self.stats.on_finished(req)
+                self._on_finished(req)
         self.output_processor.drop(request_id)
         self._release_if_idle()
 
@@ -122,8 +130,13 @@ class LLMEngine:
             self.stats.num_generated_tokens += len(out.new_token_ids)
             req = live.get(out.req_id)
             if req is not None and req.is_finished:
-                self.stats.on_finished(req)
+                self._on_finished(req)
         self.scheduler.recently_finished.clear()
+
+    def _on_finished(self, req) -> None:
+        self.stats.on_finished(req)
+        if self.runner.spec is not None:     # its per-request spec stats join the recent list
+            self.runner.spec.finish_request(req.request_id)
 
     # -- introspection ----------------------------------------------------------------------
     def get_stats(self) -> dict:
@@ -139,7 +152,11 @@ class LLMEngine:
         kv = self.scheduler.kv
         return {
             "model_weights": self.weight_bytes,
-            "kv_cache": self.runner.kv_cache_bytes,
+            "kv_cache": kv_cache_nbytes(self.runner.kv_caches),
+            "kv_cache_dtype": self.config.cache.kv_cache_dtype,
+            "kv_cache_storage_dtype": str(self.kv_dtype).removeprefix("torch."),
+            "kv_bytes_per_token": self.kv_bytes_per_token,   # all layers, K + V, scales included
+            "kv_capacity_tokens": kv.num_total_blocks * kv.block_size,
             "kv_cache_usage_perc": 100.0 * kv.usage,
             "num_free_blocks": kv.num_free_blocks,
             "num_total_blocks": kv.num_total_blocks,

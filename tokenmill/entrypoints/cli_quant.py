@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+from tokenmill.config import KV_CACHE_DTYPES
+
 
 def _cache_dir():
     return os.environ.get("TOKENMILL_CACHE")   # the CLI is the one place env vars are read
@@ -44,6 +46,11 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--kl-base", default=None,
                    help="also report KL(base || model) of next-token distributions; "
                         "'same' = this model unquantized")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="evaluate with a quantized KV cache (use with --chunk-size)")
+    p.add_argument("--chunk-size", type=int, default=None,
+                   help="prefill tokens per step (default: a whole window); a small chunk "
+                        "(64-128) makes later chunks read the KV cache back")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", action="store_true", help="only the JSON line")
     p.set_defaults(func=cmd_eval_ppl)
@@ -52,7 +59,8 @@ def add_eval_parser(sub) -> None:
 def cmd_eval_ppl(args) -> int:
     from tokenmill.quantization.ppl import evaluate
     result = evaluate(args.model, args.quantization, args.max_tokens, args.context_len,
-                      kl_base=args.kl_base, num_threads=args.num_threads, cache_dir=_cache_dir())
+                      kl_base=args.kl_base, num_threads=args.num_threads, cache_dir=_cache_dir(),
+                      kv_cache_dtype=args.kv_cache_dtype, chunk_size=args.chunk_size)
     if not args.json:
         for key, value in result.items():
             print(f"{key:>16}: {value}")

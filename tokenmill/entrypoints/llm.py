@@ -24,7 +24,7 @@ class LLM:
                  speculative_config: Union[None, dict, SpeculativeConfig] = None,
                  speculative_model: Optional[str] = None,
                  num_speculative_tokens: Optional[int] = None,
-                 quantization: Optional[str] = None) -> None:
+                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto") -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               skip_tokenizer_init=skip_tokenizer_init,
@@ -33,7 +33,8 @@ class LLM:
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization,
-                              enable_prefix_caching=enable_prefix_caching),
+                              enable_prefix_caching=enable_prefix_caching,
+                              kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       policy=scheduling_policy),

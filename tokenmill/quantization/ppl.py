@@ -1,7 +1,13 @@
 """`tokenmill eval ppl`: perplexity on the held-out ShareGPT evaluation split (never used for
 calibration), optionally with the KL divergence of next-token distributions against a base
 model. Windows of ``context_len`` tokens; every token after a window's first is scored, up to
-``max_tokens`` scored tokens in total."""
+``max_tokens`` scored tokens in total.
+
+``kv_cache_dtype`` evaluates a quantized KV cache. A prefill chunk that starts at position 0
+attends to its own fresh K/V and never reads the cache back, so a quantized cache only
+matters once prefill is chunked: ``chunk_size`` (the scheduler's token budget per step)
+makes every window after its first chunk attend to cached, quantized K/V. Compare runs with
+the same ``chunk_size``; the JSON reports which one was used."""
 from __future__ import annotations
 
 import math
@@ -11,11 +17,13 @@ from typing import Optional
 import torch
 
 
-def _llm(model: str, quantization: Optional[str], context_len: int, num_threads, cache_dir):
+def _llm(model: str, quantization: Optional[str], context_len: int, num_threads, cache_dir,
+         kv_cache_dtype: str = "auto", chunk_size: Optional[int] = None):
     from tokenmill import LLM
     return LLM(model=model, quantization=quantization, num_threads=num_threads,
                cache_dir=cache_dir, enable_prefix_caching=False, max_model_len=context_len + 8,
-               max_num_batched_tokens=context_len + 8, max_num_seqs=1)
+               max_num_batched_tokens=chunk_size or context_len + 8, max_num_seqs=1,
+               kv_cache_dtype=kv_cache_dtype)
 
 
 class _LogitTap:
@@ -32,7 +40,8 @@ class _LogitTap:
         return logits
 
     def take(self, num: int) -> torch.Tensor:
-        rows = next(r for r in self.rows if r.shape[0] == num)
+        # In call order: the prompt rows of each prefill chunk, then the one sampled row.
+        rows = torch.cat(self.rows)[:num]
         self.rows = []
         return rows
 
@@ -53,15 +62,18 @@ def _score(llm, ids: list[int], tap: Optional[_LogitTap]):
 
 def evaluate(model: str, quantization: Optional[str] = None, max_tokens: int = 4096,
              context_len: int = 512, kl_base: Optional[str] = None, num_threads=None,
-             cache_dir: Optional[str] = None) -> dict:
+             cache_dir: Optional[str] = None, kv_cache_dtype: str = "auto",
+             chunk_size: Optional[int] = None) -> dict:
+    """``chunk_size``: prefill tokens per step (None = a whole window in one step)."""
     from tokenmill.quantization.calibration import text_token_windows
     t0 = time.time()
-    llm = _llm(model, quantization, context_len, num_threads, cache_dir)
+    llm = _llm(model, quantization, context_len, num_threads, cache_dir, kv_cache_dtype, chunk_size)
     num_windows = math.ceil(max_tokens / (context_len - 1))
     windows = text_token_windows(llm.get_tokenizer(), "evaluation", num_windows, context_len, cache_dir)
     base = None
     if kl_base:
-        base = _llm(model if kl_base == "same" else kl_base, None, context_len, num_threads, cache_dir)
+        base = _llm(model if kl_base == "same" else kl_base, None, context_len, num_threads,
+                    cache_dir, chunk_size=chunk_size)
     taps = (_LogitTap(llm.engine.model), _LogitTap(base.engine.model)) if base else (None, None)
     nll, count, kl_sum = 0.0, 0, 0.0
     try:
@@ -81,6 +93,9 @@ def evaluate(model: str, quantization: Optional[str] = None, max_tokens: int = 4
     result = {"model": model, "quantization": quantization or "none",
               "perplexity": round(math.exp(nll / count), 4), "num_tokens": count,
               "context_len": context_len, "weight_bytes": llm.engine.weight_bytes,
+              "kv_cache_dtype": kv_cache_dtype, "chunk_size": chunk_size or context_len + 8,
+              "kv_bytes_per_token": llm.engine.kv_bytes_per_token,
+              "kv_capacity_tokens": llm.get_memory_stats()["kv_capacity_tokens"],
               "seconds": round(time.time() - t0, 1)}
     if base:
         result["kl_divergence"] = round(kl_sum / count, 6)

@@ -1,19 +1,45 @@
 """Preallocated paged KV cache tensors: per layer, K and V of shape
-[num_blocks, block_size, num_kv_heads, head_dim]."""
+[num_blocks, block_size, num_kv_heads, head_dim]; with a quantized KV dtype (int8, fp8) each
+is a ``QuantizedKV`` (values of that shape plus one fp32 scale per slot per KV head)."""
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 
+from tokenmill.layers.attention.kv_quant import QuantizedKV, is_quantized_kv_dtype, slot_bytes
+
 # Default pool on CPU when neither num_kv_blocks nor kv_cache_memory is given.
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 
 
+_KV_STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """What the cache stores: the model dtype for "auto", else the quantized dtype."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in _KV_STORAGE:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; "
+                         f"choose 'auto' or one of {sorted(_KV_STORAGE)}")
+    return _KV_STORAGE[kv_cache_dtype]
+
+
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                     dtype: torch.dtype) -> int:
-    elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+    """K and V of every layer for one block, quantization scales included."""
+    return 2 * num_layers * block_size * slot_bytes(num_kv_heads, head_dim, dtype)
+
+
+def kv_cache_nbytes(kv_caches: list) -> int:
+    return sum(_nbytes(k) + _nbytes(v) for k, v in kv_caches)
+
+
+def _nbytes(cache) -> int:
+    if isinstance(cache, QuantizedKV):
+        return cache.nbytes
+    return cache.numel() * cache.element_size()
 
 
 def decide_num_blocks(num_kv_blocks: Optional[int], kv_cache_memory: Optional[int],
@@ -38,5 +64,8 @@ def decide_num_blocks(num_kv_blocks: Optional[int], kv_cache_memory: Optional[in
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                        head_dim: int, dtype: torch.dtype, device: torch.device) -> list:
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if is_quantized_kv_dtype(dtype):
+        return [(QuantizedKV.zeros(shape, dtype, device), QuantizedKV.zeros(shape, dtype, device))
+                for _ in range(num_layers)]
     return [(torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]

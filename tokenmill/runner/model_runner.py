@@ -44,10 +44,6 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler()
         self.spec = None   # tokenmill.spec.decoder.SpecDecoder, attached by the engine
 
-    @property
-    def kv_cache_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
-
     def release(self, req_ids) -> None:
         for req_id in req_ids:
             self.states.pop(req_id, None)

@@ -22,7 +22,6 @@ _NOT_YET = {
     "speculative_model": ("--speculative-model", None),
     "num_speculative_tokens": ("--num-speculative-tokens", None),
     "quantization": ("--quantization", None),
-    "kv_cache_dtype": ("--kv-cache-dtype", "auto"),
     "tensor_parallel_size": ("--tensor-parallel-size", 1),
 }
 
@@ -63,7 +62,6 @@ def _add_not_yet_args(p: argparse.ArgumentParser) -> None:
         "--speculative-model": dict(default=None),
         "--num-speculative-tokens": dict(type=int, default=None),
         "--quantization": dict(default=None),
-        "--kv-cache-dtype": dict(default="auto"),
         "--tensor-parallel-size": dict(type=int, default=1),
     }
     for flag, kwargs in specs.items():

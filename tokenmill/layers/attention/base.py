@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from tokenmill.layers.attention.kv_quant import QuantizedKV, write_quantized_kv
 from tokenmill.layers.attention.metadata import AttentionMetadata
 
 
@@ -39,11 +40,14 @@ class AttentionBackend(ABC):
 def write_kv(
     key: torch.Tensor,           # [T, num_kv_heads, head_dim]
     value: torch.Tensor,         # [T, num_kv_heads, head_dim]
-    k_cache: torch.Tensor,       # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,       # [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,       # [num_blocks, block_size, num_kv_heads, head_dim] or QuantizedKV
+    v_cache: torch.Tensor,       # [num_blocks, block_size, num_kv_heads, head_dim] or QuantizedKV
     slot_mapping: torch.Tensor,  # [T] int64 flat slots
 ) -> None:
-    """Store this step's K/V at their slots, in place."""
+    """Store this step's K/V at their slots, in place (quantizing them for a QuantizedKV)."""
+    if isinstance(k_cache, QuantizedKV):
+        write_quantized_kv(key, value, k_cache, v_cache, slot_mapping)
+        return
     # A non-contiguous cache would make flatten() return a copy and the write would vanish.
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")

@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from tokenmill.layers import cpu_ops
 from tokenmill.layers.attention.base import AttentionBackend, check_gqa, write_kv
 from tokenmill.layers.attention.metadata import AttentionMetadata
 
@@ -52,6 +53,7 @@ class CpuAttention(AttentionBackend):
                 out[s:e] = _prefill_one(
                     query[s:e], key[s:e], value[s:e], k_cache, v_cache,
                     meta.block_tables[b], meta.seq_lens_list[b], scale, sliding_window,
+                    meta.plan_cache, b,
                 ).to(out.dtype)
         return out
 
@@ -74,6 +76,8 @@ def _batched_short(
     sliding_window: Optional[int],
     out: torch.Tensor,      # [T, num_heads, head_dim], rows of `reqs` are written
 ) -> None:
+    if _fused_short(query, k_cache, v_cache, meta, reqs, scale, sliding_window, out):
+        return
     key = ("short", tuple(reqs), sliding_window)
     plan = meta.plan_cache.get(key)
     if plan is None:
@@ -95,6 +99,27 @@ def _batched_short(
         out[tok[:, 0]] = o[:, 0].to(out.dtype)
     else:
         out[tok[valid]] = o[valid].to(out.dtype)
+
+
+def _fused_short(query, k_cache, v_cache, meta: AttentionMetadata, reqs: list[int], scale: float,
+                 sliding_window: Optional[int], out: torch.Tensor) -> bool:
+    """The short runs through the fused C kernel (float32 CPU caches): no gather, no padding,
+    one call per layer. False when it does not apply; the PyTorch path below then runs."""
+    if not cpu_ops.active():
+        return False
+    key = ("fused_short", tuple(reqs))
+    plan = meta.plan_cache.get(key)
+    if plan is None:
+        starts = _starts(meta.query_lens)
+        tables = meta.block_tables if len(reqs) == meta.num_reqs else \
+            meta.block_tables[torch.tensor(reqs)].contiguous()
+        plan = meta.plan_cache[key] = (
+            tables.cpu(), torch.tensor([starts[b] for b in reqs], dtype=torch.int64),
+            torch.tensor([meta.query_lens[b] for b in reqs], dtype=torch.int64),
+            torch.tensor([meta.seq_lens_list[b] for b in reqs], dtype=torch.int64))
+    tables, q_start, q_len, seq_len = plan
+    return cpu_ops.paged_attention(query, k_cache, v_cache, tables, q_start, q_len, seq_len,
+                                   scale, sliding_window, out)
 
 
 def _short_plan(meta: AttentionMetadata, reqs: list[int], sliding_window: Optional[int],
@@ -153,6 +178,8 @@ def _gather_blocks(
     # Whole blocks are copied (contiguous rows), not slot by slot; positions past a
     # request's seq_len are padding that the mask hides. index_select over a flat id list
     # is a plain row copy, about 2x faster on CPU than advanced indexing with a 2-D index.
+    # A quantized cache (kv_quant.QuantizedKV) dequantizes inside index_select: read caches
+    # only through index_select here and in _gather_flat.
     num_reqs, nb = tables.shape
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     flat_ids = tables.reshape(-1)
@@ -207,6 +234,8 @@ def _prefill_one(
     seq_len: int,
     scale: float,
     sliding_window: Optional[int],
+    plan_cache: Optional[dict] = None,   # per-step cache shared by the layers
+    req_index: int = 0,
 ) -> torch.Tensor:              # [q_len, num_heads, head_dim] fp32
     q_len = q.shape[0]
     ctx = seq_len - q_len
@@ -225,8 +254,13 @@ def _prefill_one(
         o = F.scaled_dot_product_attention(
             qt, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        q_pos = torch.arange(ctx, seq_len, device=q.device)
-        mask = _mask(q_pos, seq_len, sliding_window)                     # [q_len, S]
+        key = ("prefill_mask", req_index, sliding_window)
+        mask = plan_cache.get(key) if plan_cache is not None else None
+        if mask is None:   # the same in every layer of this step
+            q_pos = torch.arange(ctx, seq_len, device=q.device)
+            mask = _mask(q_pos, seq_len, sliding_window)                 # [q_len, S]
+            if plan_cache is not None:
+                plan_cache[key] = mask
         o = F.scaled_dot_product_attention(
             qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)

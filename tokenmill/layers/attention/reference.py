@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from tokenmill.layers.attention.base import AttentionBackend, check_gqa, write_kv
+from tokenmill.layers.attention.kv_quant import QuantizedKV
 from tokenmill.layers.attention.metadata import AttentionMetadata
 
 
@@ -49,6 +50,8 @@ def gather_context(
     block_size = k_cache.shape[1]
     positions = torch.arange(seq_len, device=block_table.device)
     slots = block_table[positions // block_size] * block_size + positions % block_size
+    if isinstance(k_cache, QuantizedKV):
+        return k_cache.read_slots(slots), v_cache.read_slots(slots)
     return k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
 
 

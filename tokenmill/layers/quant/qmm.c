@@ -1,10 +1,12 @@
 /* Quantized-weight matmuls for x86-64 AVX2 + FMA + F16C: y[M, N] = x[M, K] @ dequant(W)^T.
  *
- * Activations stay float32 (on this CPU bf16 arithmetic is ~60x slower than fp32, and
- * quantizing activations costs accuracy); only the weights are compressed, which is what
- * a memory-bound decode step needs. Weights are expanded to fp32 in registers, never in
- * memory, and every product is accumulated in fp32, so results equal the plain-PyTorch
- * reference (dequantize, then F.linear) up to summation order.
+ * Two paths. tm_qmm keeps activations float32: weights are expanded to fp32 in registers,
+ * never in memory, and every product is accumulated in fp32, so results equal the
+ * plain-PyTorch reference (dequantize, then F.linear) up to summation order. It is
+ * compute-bound here (~2.6 G int4 weights/s per core). tm_qmm_q8 (end of file) rounds
+ * activations to int8 per run of 32 and uses integer dot products: ~2.6x the int4 rate and
+ * 1.8x the int8 rate, at a small accuracy cost (measured with `tokenmill eval ppl
+ * --chunk-size 8`); matmul.py picks one (TOKENMILL_QMM_ACTIVATIONS=q8|fp32).
  *
  * Formats (row n of W, group g of G consecutive input columns):
  *   i8:  w = scale[n, g] * q,             q int8
