@@ -114,3 +114,25 @@ def test_rmsnorm_module_takes_the_fused_path(monkeypatch):
     x = torch.randn(3, 64)
     torch.testing.assert_close(norm(x), cpu_ops.rms_norm_reference(x, norm.weight, 1e-5), rtol=2e-6, atol=2e-6)
     assert calls
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_attention_reads_int8_cache_like_its_dequantized_values(window):
+    from tokenmill.layers.attention.kv_quant import QuantizedKV
+    g = torch.Generator().manual_seed(4)
+    hq, hkv, d, bs, nblocks = 6, 2, 64, 4, 30
+    shape = (nblocks, bs, hkv, d)
+    k_q, v_q = QuantizedKV.zeros(shape, torch.int8, "cpu"), QuantizedKV.zeros(shape, torch.int8, "cpu")
+    slots = torch.arange(nblocks * bs)
+    k_q.write(torch.randn(nblocks * bs, hkv, d, generator=g), slots)
+    v_q.write(torch.randn(nblocks * bs, hkv, d, generator=g), slots)
+    all_blocks = torch.arange(nblocks)
+    k_f, v_f = k_q.index_select(0, all_blocks), v_q.index_select(0, all_blocks)   # dequantized
+    q_lens, seq_lens, tables = [1, 4], [13, 30], [[5, 1, 7, 2], list(range(10, 18))]
+    meta = AttentionMetadata.build(q_lens, seq_lens, tables, bs, "cpu")
+    q = torch.randn(sum(q_lens), hq, d, generator=g)
+    args = (meta.block_tables, meta.query_start_loc[:-1], torch.tensor(q_lens), meta.seq_lens, 0.125, window)
+    want, got = torch.empty_like(q), torch.empty_like(q)
+    assert cpu_ops.paged_attention(q, k_f, v_f, *args, want)
+    assert cpu_ops.paged_attention(q, k_q, v_q, *args, got)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -157,14 +157,39 @@ static inline void axpy(float w, const float *x, float *y, int64_t D) {
     for (; i < D; i++) y[i] += w * x[i];
 }
 
+static inline float dot_i8(const float *a, const int8_t *b, int64_t D) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) {
+        __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + i))));
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), v, acc);
+    }
+    float s = hsum256(acc);
+    for (; i < D; i++) s += a[i] * (float)b[i];
+    return s;
+}
+
+static inline void axpy_i8(float w, const int8_t *x, float *y, int64_t D) {
+    const __m256 vw = _mm256_set1_ps(w);
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8) {
+        __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(x + i))));
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vw, v, _mm256_loadu_ps(y + i)));
+    }
+    for (; i < D; i++) y[i] += w * (float)x[i];
+}
+
 /* One task = one request x one query head, all of that request's query tokens.
- * q [T, Hq, D] with q_stride floats between tokens, out [T, Hq, D] contiguous; caches [num_blocks, bs, Hkv, D]; block_tables [B, bt_stride];
+ * q [T, Hq, D] with q_stride floats between tokens, out [T, Hq, D] contiguous; caches
+ * float32, or int8 with a float scale per slot per KV head (k_scale / v_scale non-NULL:
+ * value = scale[block, offset, head] * int8); [num_blocks, bs, Hkv, D]; block_tables [B, bt_stride];
  * request b has query rows q_start[b] .. q_start[b] + q_len[b] - 1 at positions
  * seq_len[b] - q_len[b] + i, each attending to keys at positions <= its own and
  * > position - window (window <= 0: no window). Returns nonzero if a buffer could not be
  * allocated (out then undefined). */
-int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, const float *k_cache,
-                       const float *v_cache, int64_t bs, int64_t Hkv, const int64_t *block_tables,
+int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, const void *k_cache,
+                       const void *v_cache, const float *k_scale, const float *v_scale,
+                       int64_t bs, int64_t Hkv, const int64_t *block_tables,
                        int64_t bt_stride, int64_t B, const int64_t *q_start, const int64_t *q_len,
                        const int64_t *seq_len, float scale, int64_t window, float *out,
                        int nthreads) {
@@ -193,8 +218,10 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
                     float m = -INFINITY;
                     for (int64_t j = 0; j < n; j++) {
                         const int64_t pos = first + j;
-                        const float *kv = k_cache + ((table[pos / bs] * bs + pos % bs) * Hkv + kvh) * D;
-                        const float s = dot(qv, kv, D) * scale;
+                        const int64_t slot = (table[pos / bs] * bs + pos % bs) * Hkv + kvh;
+                        const float s = k_scale
+                            ? dot_i8(qv, (const int8_t *)k_cache + slot * D, D) * (k_scale[slot] * scale)
+                            : dot(qv, (const float *)k_cache + slot * D, D) * scale;
                         scores[j] = s;
                         if (s > m) m = s;
                     }
@@ -212,8 +239,9 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
                     memset(o, 0, sizeof(float) * (size_t)D);
                     for (j = 0; j < n; j++) {
                         const int64_t pos = first + j;
-                        const float *vv = v_cache + ((table[pos / bs] * bs + pos % bs) * Hkv + kvh) * D;
-                        axpy(scores[j], vv, o, D);
+                        const int64_t slot = (table[pos / bs] * bs + pos % bs) * Hkv + kvh;
+                        if (v_scale) axpy_i8(scores[j] * v_scale[slot], (const int8_t *)v_cache + slot * D, o, D);
+                        else axpy(scores[j], (const float *)v_cache + slot * D, o, D);
                     }
                     const float inv = 1.0f / sum;
                     for (int64_t d = 0; d < D; d++) o[d] *= inv;

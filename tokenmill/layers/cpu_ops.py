@@ -46,7 +46,7 @@ def _load() -> Optional[ctypes.CDLL]:
     lib.tm_rope.restype = None
     lib.tm_silu_mul.argtypes = [p, i64, i64, p, i32]
     lib.tm_silu_mul.restype = None
-    lib.tm_paged_attention.argtypes = [p, i64, i64, i64, p, p, i64, i64, p, i64, i64, p, p, p, f32,
+    lib.tm_paged_attention.argtypes = [p, i64, i64, i64, p, p, p, p, i64, i64, p, i64, i64, p, p, p, f32,
                                        i64, p, i32]
     lib.tm_paged_attention.restype = i32
     _lib = lib
@@ -55,13 +55,21 @@ def _load() -> Optional[ctypes.CDLL]:
 
 def active() -> bool:
     """True when the kernels are turned on and built for this machine."""
-    return _enabled and _load() is not None
+    if not _enabled:
+        return False
+    return _lib is not None or _load() is not None
+
+
+_F32 = torch.float32
 
 
 def _ok(*tensors: torch.Tensor) -> bool:
-    # isinstance, not duck typing: a quantized KV cache object must not pass as a tensor
-    return all(isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == torch.float32
-               for t in tensors)
+    # Called a few times per layer per step, so kept to cheap attribute reads. isinstance,
+    # not duck typing: a quantized KV cache object must not pass as a tensor.
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.dtype is not _F32 or t.is_cuda or t.is_meta:
+            return False
+    return True
 
 
 # -- RMSNorm ------------------------------------------------------------------------------
@@ -119,6 +127,18 @@ def silu_mul(x: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 # -- paged attention of short query runs --------------------------------------------------
+def _cache_parts(cache) -> tuple:
+    """(values, per-slot scales or None) of a float32 cache tensor or an int8 QuantizedKV;
+    (None, None) for anything the kernel does not read (fp8, other dtypes, other devices)."""
+    if isinstance(cache, torch.Tensor):
+        return (cache, None) if _ok(cache) and cache.is_contiguous() else (None, None)
+    values, scale = getattr(cache, "values", None), getattr(cache, "scale", None)
+    if (isinstance(values, torch.Tensor) and values.dtype is torch.int8 and values.device.type == "cpu"
+            and values.is_contiguous() and _ok(scale) and scale.is_contiguous()):
+        return values, scale
+    return None, None
+
+
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
                     seq_len: torch.Tensor, scale: float, sliding_window: Optional[int],
@@ -127,16 +147,19 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     query rows q_start[b] + i sit at position seq_len[b] - q_len[b] + i and attend causally
     (and within the window) to the cache through block_tables [B, W] int64. Writes those
     rows of out [T, Hq, D]; False when not applicable (nothing written)."""
-    if not (active() and _ok(query, k_cache, v_cache, out)
+    k_data, k_scale = _cache_parts(k_cache)
+    v_data, v_scale = _cache_parts(v_cache)
+    if not (active() and k_data is not None and v_data is not None and _ok(query, out)
             and query.stride(2) == 1 and query.stride(1) == query.shape[2] and out.is_contiguous()
-            and k_cache.is_contiguous() and v_cache.is_contiguous()
             and block_tables.dtype == torch.int64 and block_tables.is_contiguous()
             and block_tables.device.type == "cpu"):
         return False
     _, hq, d = query.shape
     _, bs, hkv, _ = k_cache.shape
     failed = _lib.tm_paged_attention(
-        query.data_ptr(), query.stride(0), hq, d, k_cache.data_ptr(), v_cache.data_ptr(), bs, hkv,
+        query.data_ptr(), query.stride(0), hq, d, k_data.data_ptr(), v_data.data_ptr(),
+        k_scale.data_ptr() if k_scale is not None else None,
+        v_scale.data_ptr() if v_scale is not None else None, bs, hkv,
         block_tables.data_ptr(), block_tables.shape[1], q_start.shape[0], q_start.data_ptr(),
         q_len.data_ptr(), seq_len.data_ptr(), scale,
         sliding_window if sliding_window is not None else 0, out.data_ptr(),
