@@ -6,10 +6,13 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
-from typing import Callable
+from typing import Callable, Optional, Sequence
 
 import torch
+
+from tokenmill.bench.report import Chart, write_report
 
 
 def machine_info() -> dict:
@@ -56,8 +59,19 @@ def measure_gemm_gflops(n: int = 1024, repeats: int = 5) -> float:
     return median_of(once, repeats)[0]
 
 
-def emit(result: dict, json_path: str | None) -> None:
+def emit(result: dict, json_path: Optional[str], output_dir: Optional[str] = None,
+         rows: Optional[Sequence[dict]] = None, chart: Optional[Chart] = None,
+         name: Optional[str] = None) -> None:
+    """Print the result as JSON (stdout), write it to ``json_path`` if given, and write the
+    JSON / markdown / PNG report to ``output_dir`` if given (rows default to result["rows"])."""
     print(json.dumps(result, indent=2))
     if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
         with open(json_path, "w") as f:
             json.dump(result, f, indent=2)
+    if output_dir:
+        if rows is None:
+            rows = result.get("rows") if isinstance(result.get("rows"), list) else [result]
+        paths = write_report(name or str(result.get("bench", "bench")), result, output_dir,
+                             rows, chart)
+        print("wrote " + ", ".join(paths.values()), file=sys.stderr)

@@ -6,6 +6,7 @@ import time
 
 from tokenmill.bench.common import (emit, machine_info, measure_bandwidth_gbps,
                                     measure_gemm_gflops, random_prompts)
+from tokenmill.bench.report import Chart, add_output_args, progress
 
 
 def add_parser(sub) -> None:
@@ -16,6 +17,7 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", default=None)
+    add_output_args(p)
     p.set_defaults(func=run)
 
 
@@ -48,9 +50,13 @@ def run(args) -> int:
     kv_per_token = 2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim * engine.dtype.itemsize
     rows = []
     _one_request(engine, random_prompts(1, 16, a.vocab_size, seed=99)[0], 4)   # warm-up
+    bar = progress(len(lens) * args.repeats, "bench latency", args.progress)
     for n in lens:
-        samples = [_one_request(engine, random_prompts(1, n, a.vocab_size, seed=r)[0], args.decode_tokens)
-                   for r in range(args.repeats)]
+        samples = []
+        for r in range(args.repeats):
+            samples.append(_one_request(engine, random_prompts(1, n, a.vocab_size, seed=r)[0],
+                                        args.decode_tokens))
+            bar.update()
         prefill_s = statistics.median(s[0] for s in samples)
         decode_s = statistics.median(s[1] for s in samples)
         decode_floor = (engine.weight_bytes + kv_per_token * (n + args.decode_tokens // 2)) / (bandwidth * 1e9)
@@ -60,7 +66,11 @@ def run(args) -> int:
                      "decode_ms_per_token": round(decode_s * 1e3, 2),
                      "decode_tok_s": round(1 / decode_s, 1),
                      "decode_x_floor": round(decode_s / decode_floor, 2)})
+    bar.close()
     emit({"bench": "latency", "model": args.model, "bandwidth_gb_s": round(bandwidth, 1),
           "gemm_gflops": round(gflops, 1), "weight_bytes": engine.weight_bytes,
-          "machine": machine_info(), "rows": rows}, args.json)
+          "machine": machine_info(), "rows": rows}, args.json, args.output_dir,
+         chart=Chart("context_len", ("prefill_tok_s", "decode_tok_s", "prefill_x_floor",
+                                     "decode_x_floor"), kind="line",
+                     title=f"latency, {args.model}"))
     return 0

@@ -7,6 +7,7 @@ import statistics
 import time
 
 from tokenmill.bench.common import emit, machine_info
+from tokenmill.bench.report import Chart, add_output_args, progress
 
 
 def add_parser(sub) -> None:
@@ -18,6 +19,7 @@ def add_parser(sub) -> None:
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", default=None)
+    add_output_args(p)
     p.set_defaults(func=run)
 
 
@@ -47,10 +49,12 @@ def _run_conversation(llm, conv, turns: int, max_chars: int, params) -> list[dic
     return rows
 
 
-def _run_all(llm, convs, args, params) -> dict:
+def _run_all(llm, convs, args, params, bar) -> dict:
     t0 = time.perf_counter()
-    rows = [r for conv in convs for r in _run_conversation(llm, conv, args.turns,
-                                                             args.max_message_chars, params)]
+    rows = []
+    for conv in convs:
+        rows += _run_conversation(llm, conv, args.turns, args.max_message_chars, params)
+        bar.update()
     later = [r for r in rows if r["turn"] >= 1]
     block = llm.engine.scheduler.kv.block_size
     queried = sum(r["prompt_len"] for r in later)
@@ -77,9 +81,12 @@ def run(args) -> int:
               max_num_batched_tokens=8192)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len)
     results = {}
-    for mode in ("off", "on", "off_again"):   # off twice: drift in machine load shows up
+    modes = ("off", "on", "off_again")   # off twice: drift in machine load shows up
+    bar = progress(len(modes) * len(convs), "bench prefix", args.progress)
+    for mode in modes:
         _set_caching(llm, mode == "on")
-        results[mode] = _run_all(llm, convs, args, params)
+        results[mode] = _run_all(llm, convs, args, params, bar)
+    bar.close()
     off = statistics.median([results["off"]["p50_ttft_ms_turns_ge_2"],
                              results["off_again"]["p50_ttft_ms_turns_ge_2"]])
     emit({"bench": "prefix", "model": args.model, "num_conversations": len(convs),
@@ -87,5 +94,8 @@ def run(args) -> int:
           "cache_off": results["off"], "cache_on": results["on"],
           "cache_off_again": results["off_again"],
           "ttft_speedup_turns_ge_2": round(off / results["on"]["p50_ttft_ms_turns_ge_2"], 2)},
-         args.json)
+         args.json, args.output_dir,
+         rows=[{"prefix_cache": mode.replace("_", " "), **results[mode]} for mode in modes],
+         chart=Chart("prefix_cache", ("p50_ttft_ms_turns_ge_2", "hit_rate_turns_ge_2", "wall_s"),
+                     title=f"prefix caching, {args.model}"))
     return 0

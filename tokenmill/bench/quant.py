@@ -11,6 +11,7 @@ import statistics
 import time
 
 from tokenmill.bench.common import emit, machine_info, measure_bandwidth_gbps, random_prompts
+from tokenmill.bench.report import Chart, add_output_args, progress
 
 
 def add_parser(sub) -> None:
@@ -29,6 +30,7 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=15, help="timed decode steps per scheme")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", default=None)
+    add_output_args(p)
 
 
 def _engines(args) -> dict:
@@ -84,12 +86,16 @@ def _prefill(engines: dict, args, repeats: int = 3) -> dict:
 def run(args) -> int:
     engines = _engines(args)
     bandwidth = measure_bandwidth_gbps()
-    result = {"machine": machine_info(), "bandwidth_gbps": round(bandwidth, 1), "schemes": {}}
+    result = {"bench": "quant", "model": args.model, "machine": machine_info(),
+              "bandwidth_gbps": round(bandwidth, 1), "schemes": {}}
     for name, engine in engines.items():
         result["schemes"][name] = {"weight_bytes": engine.weight_bytes,
                                    "decode_floor_ms": round(engine.weight_bytes / bandwidth / 1e6, 2)}
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    bar = progress(len(batches) + 1, "bench quant", args.progress)
+    for batch in batches:
         step = _decode(engines, batch, args)
+        bar.update()
         base = step.get("none")
         for name, s in step.items():
             row = result["schemes"][name]
@@ -97,13 +103,18 @@ def run(args) -> int:
             if base:
                 row[f"decode_b{batch}_x_fp32"] = round(base / s, 2)
     prefill = _prefill(engines, args)
+    bar.update()
+    bar.close()
     for name, s in prefill.items():
         row = result["schemes"][name]
         row["prefill_tok_s"] = round(args.prefill_len / s, 1)
         if "none" in prefill:
             row["prefill_x_fp32"] = round(prefill["none"] / s, 2)
     result["machine_after"] = machine_info()
-    emit(result, args.json)
+    metrics = tuple(f"decode_b{b}_tok_s" for b in batches) + ("prefill_tok_s",)
+    emit(result, args.json, args.output_dir,
+         rows=[{"scheme": name, **row} for name, row in result["schemes"].items()],
+         chart=Chart("scheme", metrics, title=f"quantization, {args.model}"))
     return 0
 
 

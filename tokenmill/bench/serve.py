@@ -4,7 +4,8 @@ concurrency, streams every answer, and reports TTFT / TPOT / ITL / E2E percentil
 tokens per second, goodput under stated SLOs, and errors, as JSON.
 
 Only the standard library: the client must run next to any server without pulling in torch
-or an HTTP stack. Each in-flight request is a thread (http.client streams chunked SSE).
+or an HTTP stack (tqdm and matplotlib, for the progress bar and the chart, are used if
+present). Each in-flight request is a thread (http.client streams chunked SSE).
 
 Terms: TTFT = send -> first content chunk; ITL = gap between content chunks; TPOT = (E2E -
 TTFT) / (output tokens - 1); goodput = requests per second that met every given SLO.
@@ -24,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from http.client import HTTPConnection, HTTPSConnection
 from typing import Optional
+
+from tokenmill.bench.report import Chart, add_output_args, progress, write_report
 
 _WORDS = ("time year people way day man thing woman life child world school state family "
           "student group country problem hand part place case week company system program "
@@ -158,7 +161,7 @@ def _read_stream(resp, start: float, result: RequestResult) -> None:
 
 
 # -- the run -------------------------------------------------------------------------------------
-def run_load(args, prompts: list[tuple[str, int]]) -> tuple[list[RequestResult], float]:
+def run_load(args, prompts: list[tuple[str, int]], bar=None) -> tuple[list[RequestResult], float]:
     """Send every prompt: Poisson arrivals at ``request_rate`` (inf = all at once), never more
     than ``max_concurrency`` in flight. Returns results and the wall time."""
     rng = random.Random(args.seed)
@@ -170,6 +173,8 @@ def run_load(args, prompts: list[tuple[str, int]]) -> tuple[list[RequestResult],
             results[i] = send_one(args, prompt, max_tokens)
         finally:
             limit.release()
+            if bar is not None:
+                bar.update()
 
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=min(len(prompts), args.max_concurrency or 512)) as pool:
@@ -237,18 +242,26 @@ def run(args) -> int:
         prompts = random_prompts(args.num_prompts, args.input_len, args.output_len, args.seed)
     if args.warmup:
         send_one(args, prompts[0][0], 4)
-    results, duration = run_load(args, prompts)
+    with progress(len(prompts), "bench serve", getattr(args, "progress", True)) as bar:
+        results, duration = run_load(args, prompts, bar)
     summary = summarize(results, duration, args)
     print(json.dumps(summary, indent=2))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"summary": summary, "requests": [asdict(r) for r in results]}, f)
+    if getattr(args, "output_dir", None):
+        rows = [{"metric": m, **summary[m]} for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")]
+        paths = write_report("serve", {"bench": "serve", **summary}, args.output_dir, rows,
+                             Chart("metric", ("p50", "p90", "p99"),
+                                   title=f"serve, {args.model_name} @ {args.base_url}"))
+        print("wrote " + ", ".join(paths.values()), file=sys.stderr)
     return 0 if summary["completed"] else 1
 
 
 def add_bench_serve_parser(bench_subparsers) -> argparse.ArgumentParser:
     p = bench_subparsers.add_parser("serve", help="load-test an OpenAI-compatible server")
     _add_args(p)
+    add_output_args(p)
     p.set_defaults(func=run)
     return p
 
@@ -283,6 +296,7 @@ def _add_args(p: argparse.ArgumentParser) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenmill bench serve", description=__doc__)
     _add_args(parser)
+    add_output_args(parser, default_dir=None)   # standalone: report files only when asked
     return run(parser.parse_args(argv))
 
 

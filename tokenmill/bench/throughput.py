@@ -6,6 +6,7 @@ import dataclasses
 import time
 
 from tokenmill.bench.common import emit, machine_info, median_of, random_prompts
+from tokenmill.bench.report import Chart, add_output_args, progress
 
 
 def add_parser(sub) -> None:
@@ -19,13 +20,15 @@ def add_parser(sub) -> None:
     p.add_argument("--skip-baseline", action="store_true", help="don't run max_num_seqs=1")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", default=None, help="also write the result to this file")
+    add_output_args(p)
     p.set_defaults(func=run)
 
 
-def _timed_generate(llm, prompts, params) -> float:
+def _timed_generate(llm, prompts, params, bar) -> float:
     t = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t
+    bar.update()
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 
@@ -41,17 +44,25 @@ def run(args) -> int:
     result = {"bench": "throughput", "model": args.model, "num_prompts": args.num_prompts,
               "input_len": args.input_len, "output_len": args.output_len,
               "machine": machine_info()}
-    cb, cb_all = median_of(lambda: _timed_generate(llm, prompts, params), args.repeats)
+    runs = args.repeats + 1 + (0 if args.skip_baseline else args.repeats)   # + 1 warm-up
+    bar = progress(runs, "bench throughput", args.progress)
+    cb, cb_all = median_of(lambda: _timed_generate(llm, prompts, params, bar), args.repeats)
     result["continuous_batching_output_tok_s"] = round(cb, 2)
     result["continuous_batching_runs"] = [round(v, 2) for v in cb_all]
     if not args.skip_baseline:
         full = sched.config
         sched.config = dataclasses.replace(full, max_num_seqs=1)   # same engine, one seat
-        one, one_all = median_of(lambda: _timed_generate(llm, prompts, params), args.repeats, warmup=0)
+        one, one_all = median_of(lambda: _timed_generate(llm, prompts, params, bar), args.repeats,
+                                 warmup=0)
         sched.config = full
         result["one_at_a_time_output_tok_s"] = round(one, 2)
         result["one_at_a_time_runs"] = [round(v, 2) for v in one_all]
         result["speedup"] = round(cb / one, 2)
+    bar.close()
     result["machine_after"] = machine_info()
-    emit(result, args.json)
+    rows = [{"mode": "continuous batching", "output_tok_s": result["continuous_batching_output_tok_s"]}]
+    if "one_at_a_time_output_tok_s" in result:
+        rows.append({"mode": "one at a time", "output_tok_s": result["one_at_a_time_output_tok_s"]})
+    emit(result, args.json, args.output_dir, rows=rows,
+         chart=Chart("mode", ("output_tok_s",), title=f"throughput, {args.model}"))
     return 0

@@ -7,6 +7,8 @@ import os
 import sys
 from typing import Optional
 
+from tokenmill.config import KV_CACHE_DTYPES
+
 
 def _default_cache_dir() -> Optional[str]:
     # The one place an env var is read: the CLI turns it into an explicit argument.
@@ -22,6 +24,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="KV cache storage: model dtype (auto) or int8 / fp8 (E4M3) with "
+                        "per-token per-head scales, ~4x the tokens of float32")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -46,7 +51,7 @@ def _make_llm(args):
     from tokenmill.entrypoints.llm import LLM
     return LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-               kv_cache_memory=args.kv_cache_memory,
+               kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
                gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens,
                enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
@@ -165,6 +170,9 @@ def _add_bench_parsers(sub) -> None:
     quant.add_parser(bench_sub)
     from tokenmill.bench.serve import add_bench_serve_parser
     add_bench_serve_parser(bench_sub)
+    from tokenmill.bench import ablate, compare
+    compare.add_parser(bench_sub)
+    ablate.add_parser(bench_sub)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,0 +1,63 @@
+"""`bench compare` plumbing on a tiny model: tokenmill and transformers each run in their own
+process on the same token ids, missing peers are rows (not errors), and the report files
+appear. Speed is never asserted."""
+import json
+
+import pytest
+
+from tokenmill.bench.compare import agreement, goals
+from tokenmill.bench.peers import canonical, missing_reason
+from tokenmill.entrypoints.cli import main
+
+
+def test_agreement_counts_whole_prompts_and_prefixes():
+    ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert agreement(ref, ref, 4) == (1.0, 1.0)
+    assert agreement([[1, 2, 3, 4], [5, 6, 0, 8]], ref, 4) == (0.5, 0.75)
+    assert agreement([[1, 2, 3, 9], [5, 6, 7, 8]], ref, 3) == (1.0, 1.0)   # only the first L count
+
+
+def test_goals_are_ratios_of_ok_rows():
+    rows = [{"engine": "tokenmill", "precision": "fp32", "status": "ok", "decode_tok_s": 30.0,
+             "prefill_tok_s": 500.0, "throughput_tok_s": 300.0, "decode_x_floor": 1.2},
+            {"engine": "transformers", "precision": "fp32", "status": "ok", "decode_tok_s": 10.0,
+             "prefill_tok_s": 400.0, "throughput_tok_s": 140.0},
+            {"engine": "llama.cpp", "precision": "gguf", "status": "not installed"}]
+    by_goal = {g["goal"]: g for g in goals(rows)}
+    assert by_goal["fp32 batch-1 decode vs transformers fp32"]["value"] == 3.0
+    assert by_goal["fp32 batch-1 decode vs transformers fp32"]["met"] is True
+    assert by_goal["fp32 batch-1 decode, multiple of its floor"]["met"] is True
+    assert by_goal["gguf batch-1 decode vs llama.cpp on the same file"]["met"] is None
+
+
+def test_peer_names():
+    assert canonical("llamacpp") == "llama.cpp" and canonical("HF") == "transformers"
+    with pytest.raises(ValueError):
+        canonical("nope")
+    assert missing_reason("tokenmill") is None
+
+
+@pytest.mark.slow
+def test_compare_runs_transformers_peer_and_reports_missing_ones(tiny_llama_dir, tmp_path):
+    out = tmp_path / "compare.json"
+    rc = main(["bench", "compare", "--model", tiny_llama_dir, "--dataset", "random",
+               "--peers", "transformers,llama.cpp,vllm", "--num-prompts", "3", "--output-len", "4",
+               "--max-input-len", "8", "--prefill-len", "12", "--repeats", "1",
+               "--num-threads", "1", "--no-progress", "--json", str(out),
+               "--output-dir", str(tmp_path / "report")])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    tm, hf = rows["tokenmill fp32"], rows["transformers fp32"]
+    for row in (tm, hf):
+        assert row["status"] == "ok", row.get("traceback")
+        assert row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0 and row["throughput_tok_s"] > 0
+        assert row["peak_rss_bytes"] > 0
+        assert 0.0 <= row["greedy_agreement"] <= 1.0
+    assert tm["greedy_agreement"] == 1.0                     # the reference
+    assert hf["tokenmill_vs"]["against"] == "tokenmill fp32"
+    # llama.cpp is either not installed or has no GGUF here; vLLM is not installed
+    assert all(rows[n]["status"] != "ok" for n in ("llama.cpp gguf", "llama.cpp fp32", "vllm fp32"))
+    assert "tokenmill gguf" not in rows                     # not a GGUF model: fp32 only
+    for ext in ("json", "md", "png"):
+        assert (tmp_path / "report" / f"compare.{ext}").stat().st_size > 0

@@ -1,0 +1,57 @@
+"""tokenmill itself, as `bench compare` measures it: precision "fp32" (weights dequantized
+to float32) or "gguf" (the GGUF's quantized blocks kept packed). Prefix caching is off so a
+repeated run never reuses the previous run's prompts (the other engines cannot); the KV pool
+holds exactly the parallel sequences' need, as llama.cpp's context is sized."""
+from __future__ import annotations
+
+import time
+
+BLOCK_SIZE = 16
+
+
+class TokenmillEngine:
+    def __init__(self, spec: dict) -> None:
+        import tokenmill
+        from tokenmill import LLM
+        precision = spec["precision"]
+        if precision not in ("fp32", "gguf"):
+            raise ValueError(f"tokenmill precision must be fp32 or gguf, got {precision!r}")
+        max_len = spec["max_seq_len"]
+        blocks_per_seq = -(-max_len // BLOCK_SIZE)
+        self.llm = LLM(model=spec["model_path"], quantization="gguf" if precision == "gguf" else None,
+                       num_threads=spec["num_threads"], skip_tokenizer_init=True,
+                       max_model_len=max_len, max_num_seqs=spec["max_num_seqs"],
+                       max_num_batched_tokens=max(2048, spec["prefill_len"] + 1),
+                       block_size=BLOCK_SIZE, num_kv_blocks=spec["max_num_seqs"] * blocks_per_seq + 1,
+                       enable_prefix_caching=False)
+        engine = self.llm.engine
+        a = engine.model.args
+        self.info = {"version": tokenmill.__version__, "threads": engine.num_threads,
+                     "weights": spec["model_path"].rsplit("/", 1)[-1],
+                     "weight_bytes": engine.weight_bytes,
+                     "kv_bytes_per_token": 2 * a.num_hidden_layers * a.num_key_value_heads
+                     * a.head_dim * engine.dtype.itemsize,
+                     "dtype": str(engine.dtype).replace("torch.", "")}
+
+    def _params(self, max_tokens: int):
+        from tokenmill import SamplingParams
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    def single(self, prompt: list[int], max_tokens: int) -> tuple[list[int], float, float]:
+        engine = self.llm.engine
+        request_id = engine.add_request(None, {"prompt_token_ids": prompt}, self._params(max_tokens))
+        tokens: list[int] = []
+        first = None
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == request_id:
+                    tokens = list(out.outputs[0].token_ids)
+            if first is None and tokens:
+                first = time.perf_counter() - t0
+        return tokens, first, time.perf_counter() - t0
+
+    def batch(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                 self._params(max_tokens), use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
