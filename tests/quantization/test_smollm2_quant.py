@@ -18,11 +18,22 @@ def _greedy(llm):
     return [o.outputs[0] for o in outs]
 
 
-def test_gguf_packed_equals_fp32_expansion():
+@pytest.mark.parametrize("activations,tol", [("fp32", 1e-3), ("q8", 0.12)])
+def test_gguf_packed_equals_fp32_expansion(activations, tol):
+    """Float activations: the same function up to summation order. Int8 activations (the
+    fast decode default): the same greedy tokens, logprobs within ~0.1 (measured max 0.077 on these prompts)."""
+    from tokenmill.layers.quant.matmul import activation_mode, set_activation_mode
     fp32 = LLM(PATH, num_kv_blocks=32, max_model_len=128)
     packed = LLM(PATH, quantization="gguf", num_kv_blocks=32, max_model_len=128)
-    assert packed.get_memory_stats()["model_weights"] < 0.45 * fp32.get_memory_stats()["model_weights"]
-    for a, b in zip(_greedy(packed), _greedy(fp32)):
+    # packed blocks and no float copy of the tied embedding: ~21% of the fp32 bytes
+    assert packed.get_memory_stats()["model_weights"] < 0.25 * fp32.get_memory_stats()["model_weights"]
+    default = activation_mode()
+    set_activation_mode(activations)
+    try:
+        got = _greedy(packed)
+    finally:
+        set_activation_mode(default)
+    for a, b in zip(got, _greedy(fp32)):
         assert a.token_ids == b.token_ids
         for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids):
-            assert abs(la[t].logprob - lb[t].logprob) < 1e-3
+            assert abs(la[t].logprob - lb[t].logprob) < tol
