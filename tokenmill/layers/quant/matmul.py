@@ -22,11 +22,13 @@ _MIN_GROUP = {"i8": 32, "f8": 32, "i4": 32}   # the kernel steps 32 values at a 
 
 DEFAULT_KERNEL_MAX_ROWS = 16
 
-# How the kernel treats activations for int8 / int4 weights: "q8" quantizes each run of 32
-# activations to int8 (integer dot products, ~3x faster here; the scheme llama.cpp uses),
-# "fp32" keeps them float32 (bit-faithful to dequantize-then-matmul up to summation order).
-ACTIVATION_MODES = ("q8", "fp32")
-_activation_mode = os.environ.get("TOKENMILL_QMM_ACTIVATIONS", "q8")
+# How the kernel treats activations for int8 / int4 weights: "fp32" (default) keeps them
+# float32 (faithful to dequantize-then-matmul up to summation order); "q8" rounds each run of
+# 32 activations to int8 for integer dot products (the scheme llama.cpp uses): 1.8x (int8)
+# to 2.6x (int4) the kernel's compute rate, at a measured accuracy cost on SmolLM2-135M
+# (decode-path perplexity +0.17% for int8, +2.0% for int4-g32), so it is opt-in.
+ACTIVATION_MODES = ("fp32", "q8")
+_activation_mode = os.environ.get("TOKENMILL_QMM_ACTIVATIONS", "fp32")
 if _activation_mode not in ACTIVATION_MODES:
     raise ValueError(f"TOKENMILL_QMM_ACTIVATIONS must be one of {ACTIVATION_MODES}, got {_activation_mode!r}")
 

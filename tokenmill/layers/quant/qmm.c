@@ -6,7 +6,7 @@
  * compute-bound here (~2.6 G int4 weights/s per core). tm_qmm_q8 (end of file) rounds
  * activations to int8 per run of 32 and uses integer dot products: ~2.6x the int4 rate and
  * 1.8x the int8 rate, at a small accuracy cost (measured with `tokenmill eval ppl
- * --chunk-size 8`); matmul.py picks one (TOKENMILL_QMM_ACTIVATIONS=q8|fp32).
+ * --chunk-size 8`); matmul.py picks one (TOKENMILL_QMM_ACTIVATIONS=fp32|q8, fp32 default).
  *
  * Formats (row n of W, group g of G consecutive input columns):
  *   i8:  w = scale[n, g] * q,             q int8
