@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import os
-import subprocess
 from typing import Optional
 
 import torch
 
-from tokenmill.layers.quant.kernels import build_shared_library, cpu_supported
+from tokenmill.layers.quant.kernels import open_library
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "cpu_ops.c")
 _lib: Optional[ctypes.CDLL] = None
@@ -33,11 +32,8 @@ def _load() -> Optional[ctypes.CDLL]:
     if _tried:
         return _lib
     _tried = True
-    if not cpu_supported():
-        return None
-    try:
-        lib = ctypes.CDLL(build_shared_library(_SOURCE))
-    except (OSError, subprocess.CalledProcessError):
+    lib = open_library(_SOURCE)
+    if lib is None:
         return None
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     lib.tm_rms_norm.argtypes = [p, p, p, f32, i64, i64, p, i32]

@@ -62,17 +62,25 @@ def build_shared_library(source: str, build_dir: Optional[str] = None,
     return path
 
 
+def open_library(source: str, build_dir: Optional[str] = None) -> Optional[ctypes.CDLL]:
+    """Build (once per machine) and open a kernel library; None where this CPU or toolchain
+    cannot run it, so callers fall back to PyTorch."""
+    if not cpu_supported():
+        return None
+    try:
+        return ctypes.CDLL(build_shared_library(source, build_dir))
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def load(build_dir: Optional[str] = None) -> Optional[ctypes.CDLL]:
     """The library, or None where it cannot be built or run here. Tried once per process."""
     global _lib, _tried
     if _tried:
         return _lib
     _tried = True
-    if not cpu_supported():
-        return None
-    try:
-        lib = ctypes.CDLL(build_shared_library(_SOURCE, build_dir))
-    except (OSError, subprocess.CalledProcessError):
+    lib = open_library(_SOURCE, build_dir)
+    if lib is None:
         return None
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.tm_qmm.argtypes = [p, i64, i64, p, p, p, i64, i64, i32, p, i32]

@@ -94,6 +94,17 @@ INLINE void row_dot(const float *x, int64_t ldx, const int mb, int64_t K, const 
     for (int m = 0; m < mb; m++) out[m] = hsum(acc[m]) + lin[m];
 }
 
+/* xsum[m, g] = sum of x[m] over group g (G consecutive columns). */
+static void group_sums(const float *x, int64_t M, int64_t K, int64_t G, float *xsum) {
+    const int64_t ngroups = K / G;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < ngroups; g++) {
+            float s = 0.0f;
+            for (int64_t k = g * G; k < (g + 1) * G; k++) s += x[m * K + k];
+            xsum[m * ngroups + g] = s;
+        }
+}
+
 /* The kind switch sits outside the row loop so each instance is specialised. */
 #define ROWS(KIND)                                                                          \
     for (int64_t m0 = 0; m0 < M; m0 += MB) {                                                 \
@@ -114,12 +125,7 @@ void tm_qmm(const float *x, int64_t M, int64_t K, const uint8_t *w, const float 
     float *xsum = NULL;
     if (kind == 1) {  /* per-group sums of x carry the affine (min) term of int4 */
         xsum = (float *)malloc(sizeof(float) * (size_t)(M * ngroups));
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t g = 0; g < ngroups; g++) {
-                float s = 0.0f;
-                for (int64_t k = g * G; k < (g + 1) * G; k++) s += x[m * K + k];
-                xsum[m * ngroups + g] = s;
-            }
+        group_sums(x, M, K, G, xsum);
     }
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t n = 0; n < N; n++) {
@@ -244,13 +250,7 @@ int tm_qmm_q8(const float *x, int64_t M, int64_t K, const uint8_t *w, const floa
     float *xsum = kind == 1 ? (float *)malloc(sizeof(float) * (size_t)(M * ngroups)) : NULL;
     if (!qx || !dx || (kind == 1 && !xsum)) { free(qx); free(dx); free(xsum); return 1; }
     tm_quantize_q8(x, M, K, qx, dx);
-    if (kind == 1)
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t g = 0; g < ngroups; g++) {
-                float s = 0.0f;
-                for (int64_t k = g * G; k < (g + 1) * G; k++) s += x[m * K + k];
-                xsum[m * ngroups + g] = s;
-            }
+    if (kind == 1) group_sums(x, M, K, G, xsum);
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t n = 0; n < N; n++) {
         float out[MB];
