@@ -21,6 +21,19 @@ def save_tiny_llama(path, seed=0, **overrides):
     return model
 
 
+def save_tiny_chat_llama(path, tok, max_position_embeddings):
+    """A tiny random Llama that speaks ``tok``'s vocabulary and chat template (tokenizer
+    files saved beside it), so chat and text paths run without real weights."""
+    import json
+    save_tiny_llama(path, vocab_size=tok.vocab_size, max_position_embeddings=max_position_embeddings,
+                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None)
+    tok.backend.save(str(path / "tokenizer.json"))
+    with open(path / "tokenizer_config.json", "w") as f:
+        json.dump({"chat_template": tok.chat_template, "eos_token": tok.eos_token,
+                   "bos_token": tok.bos_token}, f)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama")

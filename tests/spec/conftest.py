@@ -1,14 +1,13 @@
 """Fixtures for the speculative decoding tests that need a tokenizer: a tiny random Llama that
 speaks SmolLM2's tokenizer and chat template (milliseconds per step), with room for the bench's
 prompts. Skipped where the SmolLM2 files are not cached and cannot be fetched."""
-import json
 
 import pytest
 
 
 @pytest.fixture(scope="session")
 def tiny_spec_chat_dir(tmp_path_factory):
-    from tests.conftest import save_tiny_llama
+    from tests.conftest import save_tiny_chat_llama
     from tokenmill.models.hub import resolve_model
     from tokenmill.models.loader import load_tokenizer
     try:
@@ -16,10 +15,4 @@ def tiny_spec_chat_dir(tmp_path_factory):
     except Exception as e:  # no network and no cache
         pytest.skip(f"SmolLM2 tokenizer unavailable: {e}")
     path = tmp_path_factory.mktemp("tiny_spec_chat")
-    save_tiny_llama(path, vocab_size=tok.vocab_size, max_position_embeddings=1024,
-                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None)
-    tok.backend.save(str(path / "tokenizer.json"))
-    with open(path / "tokenizer_config.json", "w") as f:
-        json.dump({"chat_template": tok.chat_template, "eos_token": tok.eos_token,
-                   "bos_token": tok.bos_token}, f)
-    return str(path)
+    return save_tiny_chat_llama(path, tok, max_position_embeddings=1024)

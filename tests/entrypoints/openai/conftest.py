@@ -1,7 +1,6 @@
 """Fixtures for the server tests: one real SmolLM2 AsyncEngine for the whole session (loading
 takes ~10 s), and a helper that serves a FastAPI app with uvicorn on a free loopback port in a
 background thread. Each test module builds its own app (cheap) on the shared engine."""
-import json
 import socket
 import threading
 import time
@@ -99,18 +98,12 @@ def server(async_engine):
 def tiny_chat_model_dir(tmp_path_factory, smollm2_path):
     """A tiny random Llama (fast: milliseconds per step) that speaks SmolLM2's tokenizer and
     chat template, so chat routes work end to end; max 64 positions bounds every generation."""
-    from tests.conftest import save_tiny_llama
+    from tests.conftest import save_tiny_chat_llama
     from tokenmill.models.loader import load_tokenizer
 
     tok = load_tokenizer(smollm2_path)
     path = tmp_path_factory.mktemp("tiny_chat_llama")
-    save_tiny_llama(path, vocab_size=tok.vocab_size, max_position_embeddings=64,
-                    bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=None)
-    tok.backend.save(str(path / "tokenizer.json"))
-    with open(path / "tokenizer_config.json", "w") as f:
-        json.dump({"chat_template": tok.chat_template, "eos_token": tok.eos_token,
-                   "bos_token": tok.bos_token}, f)
-    return str(path)
+    return save_tiny_chat_llama(path, tok, max_position_embeddings=64)
 
 
 def start_tiny_engine(model_dir: str, **engine_kwargs) -> AsyncEngine:
