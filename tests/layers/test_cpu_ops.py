@@ -136,3 +136,37 @@ def test_paged_attention_reads_int8_cache_like_its_dequantized_values(window):
     assert cpu_ops.paged_attention(q, k_f, v_f, *args, want)
     assert cpu_ops.paged_attention(q, k_q, v_q, *args, got)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(4, 8), (37, 576), (1728, 576), (5, 13), (129, 1536)])
+def test_small_m_linear_matches_f_linear(m, n, k):
+    g = torch.Generator().manual_seed(m * n + k)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    expected = torch.nn.functional.linear(x.double(), w.double(), b.double()).float()
+    torch.testing.assert_close(cpu_ops.linear(x, w, b), expected, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu_ops.linear(x, w), expected - b, rtol=1e-5, atol=1e-4)
+
+
+def test_small_m_linear_declines_what_it_does_not_cover():
+    w = torch.randn(16, 32)
+    assert cpu_ops.linear(torch.randn(cpu_ops.LINEAR_MAX_ROWS + 1, 32), w) is None   # a GEMM
+    assert cpu_ops.linear(torch.randn(2, 64)[:, ::2], w) is None                     # strided x
+    assert cpu_ops.linear(torch.randn(1, 32, dtype=torch.float64), w.double()) is None
+    assert cpu_ops.linear(torch.randn(0, 32), w) is None
+
+
+def test_unquantized_linear_layer_uses_the_kernel_for_decode_rows(monkeypatch):
+    from tokenmill.layers.linear import Linear
+    layer = Linear(32, 24, bias=True)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    calls = []
+    real = cpu_ops.linear
+    monkeypatch.setattr(cpu_ops, "linear", lambda *a: calls.append(1) or real(*a))
+    x = torch.randn(2, 32)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
+                               rtol=1e-5, atol=1e-5)
+    assert calls
+    layer(torch.randn(9, 32))   # prefill-sized: BLAS, not the kernel
+    assert len(calls) == 1

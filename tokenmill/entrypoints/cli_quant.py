@@ -2,6 +2,7 @@
 ``add_quantize_parser(sub)`` and ``add_eval_parser(sub)``)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
@@ -20,7 +21,12 @@ def add_quantize_parser(sub) -> None:
     p.add_argument("--group-size", type=int, default=128, help="-1: per channel")
     p.add_argument("--calib-samples", type=int, default=64, help="calibration windows")
     p.add_argument("--seq-len", type=int, default=512, help="tokens per calibration window")
-    p.add_argument("--act-order", action="store_true", help="GPTQ: quantize salient columns first")
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
+                   help="GPTQ: quantize salient columns first (default on: on SmolLM2 GPTQ "
+                        "without it loses to RTN)")
+    p.add_argument("--static-groups", action="store_true",
+                   help="GPTQ: group grids from the original weights, so act-order keeps "
+                        "contiguous groups (no input permutation at inference)")
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ: Hessian damping fraction")
     p.add_argument("--output", required=True)
     p.set_defaults(func=cmd_quantize)
@@ -31,7 +37,8 @@ def cmd_quantize(args) -> int:
     quantize(QuantizeArgs(model=args.model, method=args.method, output=args.output,
                           bits=args.bits, group_size=args.group_size,
                           calib_samples=args.calib_samples, seq_len=args.seq_len,
-                          act_order=args.act_order, damp=args.damp, cache_dir=_cache_dir()))
+                          act_order=args.act_order, static_groups=args.static_groups,
+                          damp=args.damp, cache_dir=_cache_dir()))
     return 0
 
 

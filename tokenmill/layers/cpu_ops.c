@@ -252,3 +252,58 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
     }
     return failed;
 }
+
+/* ---- small-M float32 matmul: y[M, N] = x[M, K] W[N, K]^T (+ bias) ---------------------
+ * Decode multiplies one (or a few) activation rows by every weight: pure weight streaming,
+ * so the goal is reading W once at memory bandwidth. Each task takes 4 weight rows and runs
+ * all M activation rows (kept in L1) against them; two accumulators per (row, x-row) pair
+ * keep the FMA pipes busy, and the next rows are prefetched ahead of use. */
+#define GEMV_MAX_M 4
+
+static inline void gemv_rows4(const float *x, int64_t M, int64_t K, const float *w,
+                              const float *bias, float *y, int64_t N, int64_t n0) {
+    __m256 acc[GEMV_MAX_M][4];
+    for (int64_t m = 0; m < M; m++)
+        for (int r = 0; r < 4; r++) acc[m][r] = _mm256_setzero_ps();
+    const float *w0 = w + n0 * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        _mm_prefetch((const char *)(w0 + k + 4 * K), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w2 + k + 4 * K), _MM_HINT_T0);
+        __m256 a0 = _mm256_loadu_ps(w0 + k), a1 = _mm256_loadu_ps(w1 + k);
+        __m256 a2 = _mm256_loadu_ps(w2 + k), a3 = _mm256_loadu_ps(w3 + k);
+        for (int64_t m = 0; m < M; m++) {
+            __m256 xv = _mm256_loadu_ps(x + m * K + k);
+            acc[m][0] = _mm256_fmadd_ps(a0, xv, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(a1, xv, acc[m][1]);
+            acc[m][2] = _mm256_fmadd_ps(a2, xv, acc[m][2]);
+            acc[m][3] = _mm256_fmadd_ps(a3, xv, acc[m][3]);
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        for (int r = 0; r < 4; r++) {
+            const float *wr = w0 + r * K;
+            float s = hsum256(acc[m][r]);
+            for (int64_t kk = k; kk < K; kk++) s += wr[kk] * x[m * K + kk];
+            y[m * N + n0 + r] = s + (bias ? bias[n0 + r] : 0.0f);
+        }
+    }
+}
+
+static inline void gemv_row1(const float *x, int64_t M, int64_t K, const float *w,
+                             const float *bias, float *y, int64_t N, int64_t n) {
+    for (int64_t m = 0; m < M; m++)
+        y[m * N + n] = dot(x + m * K, w + n * K, K) + (bias ? bias[n] : 0.0f);
+}
+
+void tm_linear_small_m(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
+                       const float *bias, float *y, int nthreads) {
+    int64_t n4 = N / 4;
+    /* chunks of 16 rows per task: few enough scheduling points, many enough to balance */
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K >= (1 << 16))
+    for (int64_t c = 0; c < (n4 + 3) / 4; c++) {
+        for (int64_t b = c * 4; b < n4 && b < c * 4 + 4; b++)
+            gemv_rows4(x, M, K, w, bias, y, N, b * 4);
+    }
+    for (int64_t n = n4 * 4; n < N; n++) gemv_row1(x, M, K, w, bias, y, N, n);
+}

@@ -45,6 +45,8 @@ def _load() -> Optional[ctypes.CDLL]:
     lib.tm_paged_attention.argtypes = [p, i64, i64, i64, p, p, p, p, i64, i64, p, i64, i64, p, p, p, f32,
                                        i64, p, i32]
     lib.tm_paged_attention.restype = i32
+    lib.tm_linear_small_m.argtypes = [p, i64, i64, p, i64, p, p, i32]
+    lib.tm_linear_small_m.restype = None
     _lib = lib
     return lib
 
@@ -66,6 +68,28 @@ def _ok(*tensors: torch.Tensor) -> bool:
         if not isinstance(t, torch.Tensor) or t.dtype is not _F32 or t.is_cuda or t.is_meta:
             return False
     return True
+
+
+# -- small-M linear -----------------------------------------------------------------------
+LINEAR_MAX_ROWS = 4   # GEMV_MAX_M in cpu_ops.c; larger batches are GEMMs (BLAS wins there)
+_linear_threads = int(os.environ.get("TOKENMILL_GEMV_THREADS", "0"))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """x [..., K] with at most LINEAR_MAX_ROWS rows -> x W^T + b, streaming the weight once."""
+    if not (active() and _ok(x, weight) and x.is_contiguous() and weight.is_contiguous()
+            and weight.dim() == 2 and x.shape[-1] == weight.shape[1]):
+        return None
+    m = x.numel() // max(x.shape[-1], 1)
+    if m == 0 or m > LINEAR_MAX_ROWS or (bias is not None and not (_ok(bias) and bias.is_contiguous())):
+        return None
+    n, k = weight.shape
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    _lib.tm_linear_small_m(x.data_ptr(), m, k, weight.data_ptr(), n,
+                           bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                           _linear_threads or torch.get_num_threads())
+    return y
 
 
 # -- RMSNorm ------------------------------------------------------------------------------

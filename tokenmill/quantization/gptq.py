@@ -59,14 +59,22 @@ def rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool = False) -> IntQu
 
 
 def gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, sym: bool = False,
-         damp: float = 0.01, act_order: bool = False, block: int = 128) -> IntQuant:
+         damp: float = 0.01, act_order: bool = False, static_groups: bool = False,
+         block: int = 128) -> IntQuant:
     """w [N, K] float, h [K, K] -> IntQuant. ``act_order``: quantize columns by decreasing
-    Hessian diagonal (salient inputs first); groups then follow that order (g_idx)."""
+    Hessian diagonal (salient inputs first); groups then follow that order (g_idx).
+    ``static_groups``: every group's grid comes from the original weights before any update,
+    so groups stay contiguous column ranges (g_idx = k // group_size, no input permutation
+    at inference) even with act_order."""
     n, k = w.shape
     w, h = w.clone().float(), h.clone().float()
     dead = torch.diag(h) == 0              # inputs never active: weight irrelevant, pin it
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
+    if static_groups:
+        grid = [grid_params(w[:, g0:g0 + group_size], bits, sym) for g0 in range(0, k, group_size)]
+        static_scale = torch.stack([sc for sc, _ in grid], 1)
+        static_zero = torch.stack([z for _, z in grid], 1)
     perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(k)
     w, h = w[:, perm], h[perm][:, perm]
     h += damp * torch.diag(h).mean() * torch.eye(k)
@@ -79,7 +87,10 @@ def gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, sym: bool
         w1, hinv1 = w[:, i1:i2].clone(), hinv[i1:i2, i1:i2]
         err1 = torch.zeros_like(w1)
         for i in range(i2 - i1):
-            if (i1 + i) % group_size == 0:
+            if static_groups:
+                col_group = int(perm[i1 + i]) // group_size
+                scale, zero = static_scale[:, col_group], static_zero[:, col_group]
+            elif (i1 + i) % group_size == 0:
                 scale, zero = grid_params(w1[:, i:i + group_size], bits, sym)
                 scales.append(scale)
                 zeros.append(zero)
@@ -89,6 +100,9 @@ def gptq(w: torch.Tensor, h: torch.Tensor, bits: int, group_size: int, sym: bool
             err1[:, i] = err
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
     inv = torch.argsort(perm)
+    if static_groups:
+        return IntQuant(q[:, inv].to(torch.uint8), static_scale, static_zero,
+                        torch.arange(k) // group_size, bits, group_size)
     g_idx = (torch.arange(k) // group_size)[inv]
     return IntQuant(q[:, inv].to(torch.uint8), torch.stack(scales, 1), torch.stack(zeros, 1),
                     g_idx, bits, group_size)

@@ -26,7 +26,8 @@ class QuantizeArgs:
     group_size: int = 128
     calib_samples: int = 64
     seq_len: int = 512
-    act_order: bool = False
+    act_order: bool = True
+    static_groups: bool = False
     damp: float = 0.01
     cache_dir: Optional[str] = None
 
@@ -74,7 +75,8 @@ def quantize(a: QuantizeArgs, log=print) -> str:
         log(f"calibrated on {a.calib_samples} x {a.seq_len} tokens in {time.time() - t0:.0f}s")
     out = _quantize_tensors(a, tensors, prefixes, stats, engine.model)
     qc = writer.quantization_config(a.method, a.bits, a.group_size if a.group_size > 0 else -1,
-                                    sym=a.bits == 8, desc_act=a.act_order, damp=a.damp)
+                                    sym=a.bits == 8, desc_act=a.act_order and a.method == "gptq",
+                                    static_groups=a.static_groups and a.method == "gptq", damp=a.damp)
     cfg = {k: v for k, v in ckpt.hf_config.items() if k != "quantization_config"}
     writer.write_checkpoint(a.output, cfg, out, qc, engine.tokenizer)
     log(f"wrote {a.output} ({a.method}, {a.bits} bits, group {a.group_size}) in {time.time() - t0:.0f}s")
@@ -98,7 +100,7 @@ def _quantize_tensors(a: QuantizeArgs, tensors: dict, prefixes: dict, stats, mod
             continue
         if a.method == "gptq":
             qt = gptq(w, stats.hessians[module].value(), a.bits, group, sym=a.bits == 8,
-                      damp=a.damp, act_order=a.act_order)
+                      damp=a.damp, act_order=a.act_order, static_groups=a.static_groups)
         else:
             qt = rtn(w, a.bits, group, sym=a.bits == 8)
         out.update(writer.gptq_tensors(prefix, qt))

@@ -40,10 +40,11 @@ def fp8_tensors(prefix: str, p: Packed) -> dict[str, torch.Tensor]:
 
 
 def quantization_config(method: str, bits: int, group_size: int, sym: bool = False,
-                        desc_act: bool = False, damp: float = 0.01) -> dict:
+                        desc_act: bool = False, damp: float = 0.01,
+                        static_groups: bool = False) -> dict:
     if method in ("gptq", "rtn"):
         return {"quant_method": "gptq", "bits": bits, "group_size": group_size, "sym": sym,
-                "desc_act": desc_act, "damp_percent": damp, "static_groups": False,
+                "desc_act": desc_act, "damp_percent": damp, "static_groups": static_groups,
                 "true_sequential": False, "checkpoint_format": "gptq", "lm_head": False,
                 "tokenmill_method": method}
     if method == "awq":

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers import cpu_ops
 from tokenmill.layers.quant import formats
 from tokenmill.layers.quant.formats import Packed
 from tokenmill.layers.quant.matmul import DEFAULT_KERNEL_MAX_ROWS, packed_linear
@@ -76,6 +77,10 @@ class UnquantizedLinearMethod(LinearMethod):
                                                dtype=layer.params_dtype))
 
     def apply(self, layer, x, bias):
+        if x.dim() == 2 and x.shape[0] <= cpu_ops.LINEAR_MAX_ROWS:   # decode: stream W once
+            y = cpu_ops.linear(x, layer.weight, bias)
+            if y is not None:
+                return y
         return F.linear(x, layer.weight, bias)
 
 
