@@ -62,13 +62,17 @@ def test_exp_extremes_through_silu():
 
 
 @pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_matches_reference(window):
+@pytest.mark.parametrize("d", [64, 48])   # 48: not a multiple of 32, the generic loops
+@pytest.mark.parametrize("requests", ["few", "many"])   # many: GQA heads grouped per task
+def test_paged_attention_matches_reference(window, d, requests):
     g = torch.Generator().manual_seed(3)
-    hq, hkv, d, bs, nblocks = 6, 2, 64, 4, 40
+    hq, hkv, bs, nblocks = 6, 2, 4, 120
     k_cache = torch.randn(nblocks, bs, hkv, d, generator=g)
     v_cache = torch.randn(nblocks, bs, hkv, d, generator=g)
-    # three requests: decode at ctx 1, a 3-token speculative run, decode at ctx 23
+    # decode at ctx 1, a 3-token speculative run, decode at ctx 23 (and more of the kind)
     q_lens, seq_lens = [1, 3, 1], [1, 9, 23]
+    if requests == "many":
+        q_lens, seq_lens = q_lens * 4 + [2], seq_lens * 4 + [38]
     perm = torch.randperm(nblocks, generator=g).tolist()
     tables, used = [], 0
     for s in seq_lens:
