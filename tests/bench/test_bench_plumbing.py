@@ -31,3 +31,26 @@ def test_bench_latency_reports_floor_multiples(tiny_llama_dir, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["context_len"] for r in rows] == [8, 16]
     assert all(r["decode_ms_per_token"] > 0 and r["decode_x_floor"] > 0 for r in rows)
+
+
+def test_bench_quant_takes_checkpoints_and_kv_schemes(tiny_llama_dir, tmp_path):
+    from tokenmill import LLM
+    from tokenmill.models.loader import open_checkpoint
+    from tokenmill.quantization import writer
+    from tokenmill.quantization.quantize import QuantizeArgs, _quantize_tensors, linear_prefixes
+    ckpt = str(tmp_path / "rtn4")
+    source = open_checkpoint(tiny_llama_dir)
+    model = LLM(model=tiny_llama_dir, skip_tokenizer_init=True).engine.model
+    args = QuantizeArgs(model=tiny_llama_dir, method="rtn", output=ckpt, bits=4, group_size=32)
+    written = _quantize_tensors(args, dict(source.iter_tensors()), linear_prefixes(model), None, model)
+    writer.write_checkpoint(ckpt, source.hf_config, written, writer.quantization_config("rtn", 4, 32))
+    out = tmp_path / "q.json"
+    rc = main(["bench", "quant", "--model", tiny_llama_dir, "--schemes", f"none,{ckpt},kv:int8",
+               "--batch-sizes", "1", "--prompt-len", "4", "--prefill-len", "8", "--steps", "2",
+               "--json", str(out), "--output-dir", ""])
+    assert rc == 0
+    schemes = json.loads(out.read_text())["schemes"]
+    assert set(schemes) == {"none", "rtn4", "kv:int8"}
+    assert schemes["rtn4"]["weight_bytes"] < schemes["none"]["weight_bytes"]
+    assert schemes["kv:int8"]["weight_bytes"] == schemes["none"]["weight_bytes"]
+    assert all(row["decode_b1_tok_s"] > 0 and row["prefill_tok_s"] > 0 for row in schemes.values())

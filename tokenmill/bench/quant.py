@@ -7,6 +7,7 @@ a load change on this shared machine hits all schemes alike. Ratios are vs "none
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -23,7 +24,9 @@ def add_parser(sub) -> None:
 def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--schemes", default="none,int8,int4,gguf",
-                   help="comma list of quantization values; 'none' is the fp32 baseline")
+                   help="comma list of: quantization values ('none' is the fp32 baseline), "
+                        "quantized checkpoint directories (written by `tokenmill quantize`), "
+                        "kv:int8 / kv:fp8 (fp32 weights, quantized KV cache)")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--prefill-len", type=int, default=256)
@@ -33,15 +36,25 @@ def _args(p: argparse.ArgumentParser) -> None:
     add_output_args(p)
 
 
+def scheme_settings(scheme: str, model: str) -> dict:
+    """One --schemes entry -> LLM keyword arguments."""
+    if scheme.startswith("kv:"):
+        return {"model": model, "kv_cache_dtype": scheme[3:]}
+    if os.path.isdir(scheme):      # a quantized checkpoint brings its own scheme
+        return {"model": scheme}
+    return {"model": model, "quantization": None if scheme == "none" else scheme}
+
+
 def _engines(args) -> dict:
     from tokenmill import LLM
     engines = {}
     for scheme in args.schemes.split(","):
-        llm = LLM(model=args.model, quantization=None if scheme == "none" else scheme,
+        llm = LLM(**scheme_settings(scheme, args.model),
                   num_threads=args.num_threads, skip_tokenizer_init=True, num_kv_blocks=512,
-                  max_model_len=1024, max_num_batched_tokens=max(args.prefill_len, 256) + 16,
+                  max_model_len=max(args.prefill_len, args.prompt_len + args.steps + 8) + 16,
+                  max_num_batched_tokens=max(args.prefill_len, 256) + 16,
                   enable_prefix_caching=False)
-        engines[scheme] = llm.engine
+        engines[os.path.basename(scheme.rstrip("/")) if os.path.isdir(scheme) else scheme] = llm.engine
     return engines
 
 

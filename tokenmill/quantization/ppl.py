@@ -90,7 +90,7 @@ def evaluate(model: str, quantization: Optional[str] = None, max_tokens: int = 4
         for tap in taps:
             if tap:
                 tap.close()
-    result = {"model": model, "quantization": quantization or "none",
+    result = {"model": model, "quantization": getattr(llm.engine.model, "quantization_method", quantization or "none"),
               "perplexity": round(math.exp(nll / count), 4), "num_tokens": count,
               "context_len": context_len, "weight_bytes": llm.engine.weight_bytes,
               "kv_cache_dtype": kv_cache_dtype, "chunk_size": chunk_size or context_len + 8,

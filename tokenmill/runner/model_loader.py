@@ -28,5 +28,6 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     model.to(dtype=dtype)
     process_weights_after_loading(model)      # strategies repack what they loaded
     share_packed_head_with_embedding(model)   # tied: no float copy of a packed head
+    model.quantization_method = spec.method   # what runs (a checkpoint's own scheme too)
     model.eval()
     return model
