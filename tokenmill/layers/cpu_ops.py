@@ -1,4 +1,4 @@
-"""Fused float32 CPU kernels (cpu_ops.c) for the small per-layer ops of a step, each beside
+"""Fused float32 CPU kernels (cpu_ops.c, cpu_attention.c) for the small per-layer ops of a step, each beside
 the plain-PyTorch reference it must match.
 
 Every entry point returns None when the fast path does not apply (no compiler or AVX2, a
@@ -17,6 +17,7 @@ import torch
 from tokenmill.layers.quant.kernels import open_library
 
 _SOURCE = os.path.join(os.path.dirname(__file__), "cpu_ops.c")
+_ATTENTION_SOURCE = os.path.join(os.path.dirname(__file__), "cpu_attention.c")
 _lib: Optional[ctypes.CDLL] = None
 _tried = False
 _enabled = os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0"
@@ -42,11 +43,15 @@ def _load() -> Optional[ctypes.CDLL]:
     lib.tm_rope.restype = None
     lib.tm_silu_mul.argtypes = [p, i64, i64, p, i32]
     lib.tm_silu_mul.restype = None
-    lib.tm_paged_attention.argtypes = [p, i64, i64, i64, p, p, p, p, i64, i64, p, i64, i64, p, p, p, f32,
-                                       i64, p, i32]
-    lib.tm_paged_attention.restype = i32
     lib.tm_linear_small_m.argtypes = [p, i64, i64, p, i64, p, p, i32]
     lib.tm_linear_small_m.restype = None
+    attention = open_library(_ATTENTION_SOURCE)
+    if attention is None:
+        return None
+    attention.tm_paged_attention.argtypes = [p, i64, i64, i64, p, p, p, p, i64, i64, p, i64, i64, p,
+                                             p, p, f32, i64, p, i32]
+    attention.tm_paged_attention.restype = i32
+    lib.tm_paged_attention = attention.tm_paged_attention   # one handle for the callers
     _lib = lib
     return lib
 

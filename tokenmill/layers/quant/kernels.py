@@ -12,6 +12,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import subprocess
 import tempfile
 from typing import Optional
@@ -38,14 +39,28 @@ def cpu_supported() -> bool:
     return {"avx2", "fma", "f16c"} <= set(flags)
 
 
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def _source_bytes(source: str) -> bytes:
+    """The source and, recursively, the local headers it includes: a header edit must
+    rebuild the library like a source edit does."""
+    with open(source, "rb") as f:
+        data = f.read()
+    for name in _LOCAL_INCLUDE.findall(data):
+        header = os.path.join(os.path.dirname(source), name.decode())
+        if os.path.isfile(header):
+            data += _source_bytes(header)
+    return data
+
+
 def build_shared_library(source: str, build_dir: Optional[str] = None,
                          flags: Optional[list] = None) -> str:
     """Compile a C source into build_dir (named by a hash of source + flags) unless already
     there; returns the .so path. Raises OSError / CalledProcessError when it cannot."""
     flags = flags or _FLAGS
     build_dir = build_dir or _DEFAULT_DIR
-    with open(source, "rb") as f:
-        digest = hashlib.sha256(f.read() + " ".join(flags).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(_source_bytes(source) + " ".join(flags).encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(source))[0]
     path = os.path.join(build_dir, f"{stem}-{digest}.so")
     if os.path.isfile(path):

@@ -1,0 +1,206 @@
+/* Paged attention of short query runs (decode tokens, speculative runs) for the fused
+ * CPU path: reads K/V straight from the paged cache through the block table, float32 or
+ * int8 with per-slot scales. Reference: tokenmill/layers/attention/reference.py; the tests
+ * compare the two (tests/layers/test_cpu_ops.py). */
+#include "cpu_simd.h"
+
+#define ATT_MAX_G 8   /* query heads per KV head handled together (GQA group) */
+#define ATT_PF 8      /* keys of look-ahead for software prefetch */
+
+static inline void prefetch_row(const float *row, int64_t D) {
+    for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char *)(row + d), _MM_HINT_T0);
+}
+
+/* Scores of G query heads (sharing one KV head) against n keys, float32 cache, D % 16 == 0.
+ * Each key row is loaded once for all G heads; four keys are reduced together. */
+static void scores_f32(const float *qv, int64_t G, int64_t D, const float *k_cache,
+                       const int64_t *table, int64_t bs, int64_t Hkv, int64_t kvh,
+                       int64_t first, int64_t n, float scale, float *scores /* [G][n] */) {
+    int64_t blk = first / bs, off = first % bs;
+    /* a second cursor ATT_PF keys ahead prefetches rows: keys of one head are strided by
+     * Hkv * D floats, a pattern the hardware prefetchers follow poorly */
+    int64_t pf_pos = first, pf_blk = blk, pf_off = off;
+    const int64_t pf_end = first + n;
+    for (int k = 0; k < ATT_PF && pf_pos < pf_end; k++, pf_pos++)
+        if (++pf_off == bs) { pf_off = 0; pf_blk++; }
+    const float *rows[4];
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        for (int r = 0; r < 4; r++) {
+            rows[r] = k_cache + ((table[blk] * bs + off) * Hkv + kvh) * D;
+            if (++off == bs) { off = 0; blk++; }
+            if (pf_pos < pf_end) {
+                prefetch_row(k_cache + ((table[pf_blk] * bs + pf_off) * Hkv + kvh) * D, D);
+                pf_pos++;
+                if (++pf_off == bs) { pf_off = 0; pf_blk++; }
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = qv + g * D;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) {
+                __m256 x = _mm256_loadu_ps(qg + d);
+                a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[0] + d), a0);
+                a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[1] + d), a1);
+                a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[2] + d), a2);
+                a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[3] + d), a3);
+            }
+            _mm_storeu_ps(scores + g * n + j, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
+        }
+    }
+    for (; j < n; j++) {
+        const float *row = k_cache + ((table[blk] * bs + off) * Hkv + kvh) * D;
+        if (++off == bs) { off = 0; blk++; }
+        for (int64_t g = 0; g < G; g++) scores[g * n + j] = dot(qv + g * D, row, D) * scale;
+    }
+}
+
+/* out_g = sum_j p[g][j] V_j for G heads, float32 cache, D % 32 == 0: 32 output floats per
+ * head stay in registers across all keys, each V chunk is loaded once for all heads. */
+static void weighted_values_f32(const float *p, int64_t G, int64_t D, const float *v_cache,
+                                const int64_t *table, int64_t bs, int64_t Hkv, int64_t kvh,
+                                int64_t first, int64_t n, float *out, int64_t out_stride) {
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        for (int64_t g0 = 0; g0 < G; g0 += 2) {   /* two heads: 8 accumulators + 4 loads */
+            const int64_t gn = G - g0 < 2 ? G - g0 : 2;
+            __m256 acc[2][4];
+            for (int g = 0; g < 2; g++) for (int c = 0; c < 4; c++) acc[g][c] = _mm256_setzero_ps();
+            int64_t blk = first / bs, off = first % bs;
+            int64_t pf_pos = first, pf_blk = blk, pf_off = off;
+            for (int k = 0; k < ATT_PF && pf_pos < first + n; k++, pf_pos++)
+                if (++pf_off == bs) { pf_off = 0; pf_blk++; }
+            for (int64_t j = 0; j < n; j++) {
+                const float *row = v_cache + ((table[blk] * bs + off) * Hkv + kvh) * D + d0;
+                if (++off == bs) { off = 0; blk++; }
+                if (pf_pos < first + n) {
+                    const float *ahead = v_cache + ((table[pf_blk] * bs + pf_off) * Hkv + kvh) * D + d0;
+                    _mm_prefetch((const char *)ahead, _MM_HINT_T0);
+                    _mm_prefetch((const char *)(ahead + 16), _MM_HINT_T0);
+                    pf_pos++;
+                    if (++pf_off == bs) { pf_off = 0; pf_blk++; }
+                }
+                __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8);
+                __m256 v2 = _mm256_loadu_ps(row + 16), v3 = _mm256_loadu_ps(row + 24);
+                for (int64_t g = 0; g < gn; g++) {
+                    __m256 w = _mm256_set1_ps(p[(g0 + g) * n + j]);
+                    acc[g][0] = _mm256_fmadd_ps(w, v0, acc[g][0]);
+                    acc[g][1] = _mm256_fmadd_ps(w, v1, acc[g][1]);
+                    acc[g][2] = _mm256_fmadd_ps(w, v2, acc[g][2]);
+                    acc[g][3] = _mm256_fmadd_ps(w, v3, acc[g][3]);
+                }
+            }
+            for (int64_t g = 0; g < gn; g++)
+                for (int c = 0; c < 4; c++)
+                    _mm256_storeu_ps(out + (g0 + g) * out_stride + d0 + 8 * c, acc[g][c]);
+        }
+    }
+}
+
+/* Softmax of each of G score rows of length n in place; returns nothing, writes 1/sum. */
+static void softmax_rows(float *scores, int64_t G, int64_t n, float *inv_sum) {
+    for (int64_t g = 0; g < G; g++) {
+        float *s = scores + g * n;
+        float m = -INFINITY;
+        for (int64_t j = 0; j < n; j++) if (s[j] > m) m = s[j];
+        const __m256 vm = _mm256_set1_ps(m);
+        __m256 vsum = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + j), vm));
+            _mm256_storeu_ps(s + j, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        float sum = hsum256(vsum);
+        for (; j < n; j++) { s[j] = exp1(s[j] - m); sum += s[j]; }
+        inv_sum[g] = 1.0f / sum;
+    }
+}
+
+/* Attention of one query row for G consecutive query heads h0.. sharing KV head kvh. */
+static void attend(const float *qv, int64_t G, int64_t D, const void *k_cache, const void *v_cache,
+                   const float *k_scale, const float *v_scale, const int64_t *table, int64_t bs,
+                   int64_t Hkv, int64_t kvh, int64_t first, int64_t n, float scale, float *o,
+                   float *scores) {
+    float inv[ATT_MAX_G];
+    const int fast = !k_scale && !v_scale && D % 32 == 0;
+    if (fast) {
+        scores_f32(qv, G, D, (const float *)k_cache, table, bs, Hkv, kvh, first, n, scale, scores);
+    } else {
+        int64_t blk = first / bs, off = first % bs;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t slot = (table[blk] * bs + off) * Hkv + kvh;
+            if (++off == bs) { off = 0; blk++; }
+            for (int64_t g = 0; g < G; g++)
+                scores[g * n + j] = k_scale
+                    ? dot_i8(qv + g * D, (const int8_t *)k_cache + slot * D, D) * (k_scale[slot] * scale)
+                    : dot(qv + g * D, (const float *)k_cache + slot * D, D) * scale;
+        }
+    }
+    softmax_rows(scores, G, n, inv);
+    if (fast) {
+        weighted_values_f32(scores, G, D, (const float *)v_cache, table, bs, Hkv, kvh, first, n, o, D);
+    } else {
+        for (int64_t g = 0; g < G; g++) memset(o + g * D, 0, sizeof(float) * (size_t)D);
+        int64_t blk = first / bs, off = first % bs;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t slot = (table[blk] * bs + off) * Hkv + kvh;
+            if (++off == bs) { off = 0; blk++; }
+            for (int64_t g = 0; g < G; g++) {
+                if (v_scale) axpy_i8(scores[g * n + j] * v_scale[slot], (const int8_t *)v_cache + slot * D, o + g * D, D);
+                else axpy(scores[g * n + j], (const float *)v_cache + slot * D, o + g * D, D);
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t d = 0; d < D; d++) o[g * D + d] *= inv[g];
+}
+
+/* One task = one request x a run of query heads sharing a KV head (the whole GQA group
+ * when there are enough tasks to keep every thread busy, else one head), all of that
+ * request's query tokens.
+ * q [T, Hq, D] with q_stride floats between tokens, out [T, Hq, D] contiguous; caches
+ * float32, or int8 with a float scale per slot per KV head (k_scale / v_scale non-NULL:
+ * value = scale[block, offset, head] * int8); [num_blocks, bs, Hkv, D]; block_tables [B, bt_stride];
+ * request b has query rows q_start[b] .. q_start[b] + q_len[b] - 1 at positions
+ * seq_len[b] - q_len[b] + i, each attending to keys at positions <= its own and
+ * > position - window (window <= 0: no window). Returns nonzero if a buffer could not be
+ * allocated (out then undefined). */
+int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, const void *k_cache,
+                       const void *v_cache, const float *k_scale, const float *v_scale,
+                       int64_t bs, int64_t Hkv, const int64_t *block_tables,
+                       int64_t bt_stride, int64_t B, const int64_t *q_start, const int64_t *q_len,
+                       const int64_t *seq_len, float scale, int64_t window, float *out,
+                       int nthreads) {
+    const int64_t group = Hq / Hkv;
+    const int64_t G = (B * Hkv >= 2 * nthreads && group <= ATT_MAX_G) ? group : 1;
+    const int64_t runs = Hq / G;   /* head runs per request */
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < B; b++) if (seq_len[b] > max_len) max_len = seq_len[b];
+    int failed = 0;
+    #pragma omp parallel num_threads(nthreads) if (B * runs > 1)
+    {
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(G * max_len + 8));
+        if (!scores) {
+            #pragma omp atomic write
+            failed = 1;
+        }
+        #pragma omp for schedule(dynamic, 1) collapse(2)
+        for (int64_t b = 0; b < B; b++) {
+            for (int64_t r = 0; r < runs; r++) {
+                if (!scores) continue;
+                const int64_t h0 = r * G, kvh = h0 / group, ctx = seq_len[b] - q_len[b];
+                const int64_t *table = block_tables + b * bt_stride;
+                for (int64_t i = 0; i < q_len[b]; i++) {
+                    const int64_t row = q_start[b] + i, p = ctx + i;
+                    const int64_t first = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+                    attend(q + row * q_stride + h0 * D, G, D, k_cache, v_cache, k_scale, v_scale,
+                           table, bs, Hkv, kvh, first, p - first + 1, scale,
+                           out + (row * Hq + h0) * D, scores);
+                }
+            }
+        }
+        free(scores);
+    }
+    return failed;
+}
