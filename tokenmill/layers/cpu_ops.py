@@ -16,8 +16,7 @@ import torch
 
 from tokenmill.layers.quant.kernels import open_library
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "cpu_ops.c")
-_ATTENTION_SOURCE = os.path.join(os.path.dirname(__file__), "cpu_attention.c")
+_SOURCE = os.path.join(os.path.dirname(__file__), "cpu_kernels.c")   # includes the .c files
 _lib: Optional[ctypes.CDLL] = None
 _tried = False
 _enabled = os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0"
@@ -45,13 +44,12 @@ def _load() -> Optional[ctypes.CDLL]:
     lib.tm_silu_mul.restype = None
     lib.tm_linear_small_m.argtypes = [p, i64, i64, p, i64, p, p, i32]
     lib.tm_linear_small_m.restype = None
-    attention = open_library(_ATTENTION_SOURCE)
-    if attention is None:
-        return None
-    attention.tm_paged_attention.argtypes = [p, i64, i64, i64, p, p, p, p, i64, i64, p, i64, i64, p,
-                                             p, p, f32, i64, p, i32]
-    attention.tm_paged_attention.restype = i32
-    lib.tm_paged_attention = attention.tm_paged_attention   # one handle for the callers
+    lib.tm_paged_attention.argtypes = [p, i64, i64, i64, p, p, p, p, i64, i64, p, i64, i64, p, p, p,
+                                       f32, i64, p, i32]
+    lib.tm_paged_attention.restype = i32
+    lib.tm_llama_decode.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, p, p, i64, i64, i64, i64, f32,
+                                    p, p, p, p, i64, p, i64, i64, p, p, p, f32, p, i32]
+    lib.tm_llama_decode.restype = i32
     _lib = lib
     return lib
 

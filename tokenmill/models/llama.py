@@ -15,6 +15,7 @@ from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.models import llama_fused
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,9 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         # input_ids [T], positions [T] -> hidden [T, hidden]
         x = self.model.embed_tokens(input_ids)
+        fused = llama_fused.run_layers(self, x, positions, kv_caches, meta, backend)
+        if fused is not None:   # decode-sized step of a plain stack: all layers in one C call
+            return self.model.norm(fused)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(positions, x, kv_cache, meta, backend)
         return self.model.norm(x)

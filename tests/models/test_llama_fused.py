@@ -1,0 +1,74 @@
+"""The one-call decoder stack (models/llama_fused.py + layers/cpu_decode.c) against the
+module path: bit-identical hidden states, so identical tokens and logprobs; and it steps
+aside whenever it does not apply."""
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers import cpu_ops
+from tokenmill.models import llama_fused
+
+pytestmark = pytest.mark.skipif(not cpu_ops.active(), reason="fused CPU kernels not built here")
+
+PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [3, 3, 8], [12, 40, 11, 6, 6, 1, 30, 22, 19, 4, 5]]
+
+
+@pytest.fixture(scope="module", params=[16, 64], ids=["head_dim16", "head_dim64"])
+def model_dir(request, tmp_path_factory):
+    from tests.conftest import save_tiny_llama
+    path = tmp_path_factory.mktemp(f"tiny_llama_d{request.param}")
+    save_tiny_llama(path, hidden_size=4 * request.param, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=96, num_hidden_layers=3)
+    return str(path)
+
+
+def _generate(model_dir, prompts, fused: bool, monkeypatch, calls: list):
+    real = llama_fused.run_layers
+
+    def counting(*args):
+        out = real(*args) if fused else None
+        calls.append(out is not None)
+        return out
+    monkeypatch.setattr(llama_fused, "run_layers", counting)
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, block_size=4, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fused_stack_is_bit_identical_to_the_modules(model_dir, monkeypatch, batch):
+    prompts = PROMPTS[:batch]
+    used: list = []
+    fused = _generate(model_dir, prompts, True, monkeypatch, used)
+    plain = _generate(model_dir, prompts, False, monkeypatch, [])
+    assert any(used), "the fused path never ran on decode steps"
+    assert not all(used), "prefill steps must take the module path"
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: v.logprob for t, v in la.items()} == {t: v.logprob for t, v in lb.items()}
+
+
+def test_fused_stack_steps_aside(model_dir):
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, enable_prefix_caching=False)
+    model = llm.engine.model
+    assert llama_fused.stack_plan(model) is not None
+    plan = llama_fused.stack_plan(model)
+    assert plan.usable()
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    assert not plan.usable()          # a hook must see its module run
+    handle.remove()
+    assert plan.usable()
+    layer = model.model.layers[1].self_attn.o_proj
+    old = layer.weight
+    layer.weight = torch.nn.Parameter(old.clone(), requires_grad=False)
+    assert not plan.usable()          # a swapped weight is never read through a stale address
+    layer.weight = old
+    x = torch.zeros(cpu_ops.LINEAR_MAX_ROWS + 1, model.args.hidden_size)
+    assert llama_fused.run_layers(model, x, torch.zeros(x.shape[0], dtype=torch.int64), [], None,
+                                  llm.engine.runner.backend) is None   # prefill-sized
+
+
+def test_quantized_or_biased_stacks_are_not_planned(tiny_llama_dir):
+    llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, quantization="int8")
+    assert llama_fused.stack_plan(llm.engine.model) is None
