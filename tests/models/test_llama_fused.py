@@ -22,7 +22,7 @@ def model_dir(request, tmp_path_factory):
     return str(path)
 
 
-def _generate(model_dir, prompts, fused: bool, monkeypatch, calls: list):
+def _generate(model_dir, prompts, fused: bool, monkeypatch, calls: list, quantization=None):
     real = llama_fused.run_layers
 
     def counting(*args):
@@ -30,17 +30,19 @@ def _generate(model_dir, prompts, fused: bool, monkeypatch, calls: list):
         calls.append(out is not None)
         return out
     monkeypatch.setattr(llama_fused, "run_layers", counting)
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, block_size=4, enable_prefix_caching=False)
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, block_size=4, enable_prefix_caching=False,
+              quantization=quantization)
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_fused_stack_is_bit_identical_to_the_modules(model_dir, monkeypatch, batch):
+@pytest.mark.parametrize("batch,quantization", [(1, None), (3, None), (1, "int8"), (3, "int4-g32"),
+                                                (1, "fp8")])
+def test_fused_stack_is_bit_identical_to_the_modules(model_dir, monkeypatch, batch, quantization):
     prompts = PROMPTS[:batch]
     used: list = []
-    fused = _generate(model_dir, prompts, True, monkeypatch, used)
-    plain = _generate(model_dir, prompts, False, monkeypatch, [])
+    fused = _generate(model_dir, prompts, True, monkeypatch, used, quantization)
+    plain = _generate(model_dir, prompts, False, monkeypatch, [], quantization)
     assert any(used), "the fused path never ran on decode steps"
     assert not all(used), "prefill steps must take the module path"
     for a, b in zip(fused, plain):
@@ -69,6 +71,19 @@ def test_fused_stack_steps_aside(model_dir):
                                   llm.engine.runner.backend) is None   # prefill-sized
 
 
-def test_quantized_or_biased_stacks_are_not_planned(tiny_llama_dir):
-    llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, quantization="int8")
-    assert llama_fused.stack_plan(llm.engine.model) is None
+def test_stacks_the_c_path_cannot_reproduce_are_not_planned(tmp_path, tiny_llama_dir):
+    from tests.conftest import save_tiny_llama
+    from tokenmill.layers.quant.matmul import activation_mode, set_activation_mode
+    save_tiny_llama(tmp_path, attention_bias=True)
+    assert llama_fused.stack_plan(LLM(model=str(tmp_path), skip_tokenizer_init=True).engine.model) is None
+    default = activation_mode()
+    planned = llama_fused.stack_plan(LLM(model=tiny_llama_dir, skip_tokenizer_init=True,
+                                         quantization="int8").engine.model)
+    assert planned is not None and planned.usable()
+    set_activation_mode("q8")        # integer-dot activations: not what the C path runs
+    try:
+        assert not planned.usable()
+        llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, quantization="int8")
+        assert llama_fused.stack_plan(llm.engine.model) is None
+    finally:
+        set_activation_mode(default)

@@ -2,4 +2,5 @@
  * can call the per-op kernels directly). Built and loaded by tokenmill/layers/cpu_ops.py. */
 #include "cpu_ops.c"
 #include "cpu_attention.c"
+#include "quant/qmm.c"
 #include "cpu_decode.c"

@@ -2,11 +2,12 @@
 
 Eager PyTorch spends several milliseconds per decode step on Python: ~10 module calls and
 ~10 kernel calls per layer. When a step is decode-sized (at most ``cpu_ops.LINEAR_MAX_ROWS``
-tokens) and the model is a plain Llama stack on the fused CPU kernels (float32 weights
-without biases, float32 KV cache, RMSNorm, SiLU, RoPE, no sliding window, no q/k norm, no
-hooks), the layers run back to back in C instead: the same kernels in the same order, so
-the hidden states are bit-identical to the module path. Anything else returns None and the
-caller runs its modules.
+tokens) and the model is a plain Llama stack on the fused CPU kernels (linears without
+biases, float32 or packed for the quantized kernel with float activations; float32 KV
+cache; RMSNorm, SiLU, RoPE; no sliding window, no q/k norm, no hooks), the layers run back
+to back in C instead: the same kernels in the same order, so the hidden states are
+bit-identical to the module path. Anything else returns None and the caller runs its
+modules.
 """
 from __future__ import annotations
 
@@ -18,10 +19,43 @@ from torch import nn
 from tokenmill.layers import cpu_ops
 
 
-class _StackPlan:
-    """Per-model constants of the fused stack: dims and the weight address arrays."""
+DEC_PARTS, DEC_FIELDS = 4, 6   # cpu_decode.c: parts per linear, int64 fields per part
+_NO_PART = [-2, 0, 0, 0, 0, 0]
 
-    def __init__(self, model: nn.Module) -> None:
+
+def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
+    """cpu_decode.c's descriptor of one linear and the object whose identity pins it (the
+    float weight, or the packed-parts list), or None when the C path cannot run it exactly
+    as the module would."""
+    from tokenmill.layers.quant.matmul import _KINDS, activation_mode, kernel_applies
+    from tokenmill.layers.quant.methods import PackedLinearMethod, UnquantizedLinearMethod
+    method = lin.quant_method
+    if lin.bias is not None:
+        return None
+    if type(method) is UnquantizedLinearMethod:
+        w = getattr(lin, "weight", None)
+        if not (_fp32_cpu(w) and w.is_contiguous()):
+            return None
+        return [-1, w.data_ptr(), 0, 0, 0, w.shape[0]] + _NO_PART * (DEC_PARTS - 1), w
+    if not (isinstance(method, PackedLinearMethod) and type(method).apply is PackedLinearMethod.apply
+            and method.use_kernel and method.kernel_max_rows >= cpu_ops.LINEAR_MAX_ROWS
+            and activation_mode() == "fp32"):
+        return None
+    parts = lin.packed
+    if not parts or len(parts) > DEC_PARTS or any(p.perm is not None or not kernel_applies(p) for p in parts):
+        return None
+    desc = []
+    for p in parts:
+        desc += [_KINDS[p.kind], p.qweight.data_ptr(), p.scales.data_ptr(),
+                 p.mins.data_ptr() if p.mins is not None else 0, p.group_size, p.out_features]
+    return desc + _NO_PART * (DEC_PARTS - len(parts)), parts
+
+
+class _StackPlan:
+    """Per-model constants of the fused stack: dims, norm-weight addresses and the linear
+    descriptors (float32 weights or packed parts the quantized kernel reads)."""
+
+    def __init__(self, model: nn.Module, descs: list) -> None:
         layers = model.model.layers
         a0 = layers[0].self_attn
         self.hidden = model.args.hidden_size
@@ -30,31 +64,33 @@ class _StackPlan:
         self.eps = float(layers[0].input_layernorm.eps)
         self.scale = float(a0.scale)
         self.rotary = a0.rotary
+        self.num_layers = len(layers)
         self.modules = [m for layer in layers for m in layer.modules()]
-
-        # The C side gets raw addresses: keep the tensors referenced, and check per call
-        # that the modules still hold exactly these tensors.
-        self.tensors: list[tuple[nn.Module, torch.Tensor]] = []
-
-        def ptrs(get) -> torch.Tensor:
-            owners = [get(layer) for layer in layers]
-            self.tensors.extend((m, m.weight) for m in owners)
-            return torch.tensor([m.weight.data_ptr() for m in owners], dtype=torch.int64)
-        self.ln1 = ptrs(lambda l: l.input_layernorm)
-        self.wqkv = ptrs(lambda l: l.self_attn.qkv_proj)
-        self.wo = ptrs(lambda l: l.self_attn.o_proj)
-        self.ln2 = ptrs(lambda l: l.post_attention_layernorm)
-        self.wgu = ptrs(lambda l: l.mlp.gate_up_proj)
-        self.wd = ptrs(lambda l: l.mlp.down_proj)
+        # The C side gets raw addresses: keep what they point into referenced, and check
+        # per call that the modules still hold exactly these objects.
+        norms = [(n, n.weight) for layer in layers
+                 for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        self.pins = norms + [(lin, pin) for lin, _, pin in descs]
+        self.ln1 = torch.tensor([l.input_layernorm.weight.data_ptr() for l in layers], dtype=torch.int64)
+        self.ln2 = torch.tensor([l.post_attention_layernorm.weight.data_ptr() for l in layers],
+                                dtype=torch.int64)
+        self.linears = torch.tensor([v for _, desc, _ in descs for v in desc], dtype=torch.int64)
         self._caches: list = []
+        self.packed = any(isinstance(pin, list) for _, _, pin in descs)
 
     def usable(self) -> bool:
-        """Same weight tensors as when planned, and no hooks that eager mode would run."""
+        """Same weights as when planned, float activations for packed linears (the q8 mode
+        is not what the C path runs), and no hooks that eager mode would run."""
+        from tokenmill.layers.quant.matmul import activation_mode
         from torch.nn.modules import module as torch_module
         if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
             return False
-        return (all(m.weight is w for m, w in self.tensors)
-                and not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules))
+        if self.packed and activation_mode() != "fp32":
+            return False
+        for owner, pin in self.pins:
+            if (owner.packed if isinstance(pin, list) else owner.weight) is not pin:
+                return False
+        return not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
 
     def cache_ptrs(self, kv_caches: list) -> Optional[tuple]:
         if len(kv_caches) != len(self._caches) or any(
@@ -76,7 +112,18 @@ def stack_plan(model: nn.Module) -> Optional[_StackPlan]:
     """The model's plan, or None when its stack is not the plain Llama one (cached)."""
     plan = model.__dict__.get("_fused_stack_plan", False)
     if plan is False:
-        plan = _StackPlan(model) if _plain_llama_stack(model) else None
+        plan = None
+        if _plain_llama_stack(model):
+            descs = []
+            for layer in model.model.layers:
+                a, m = layer.self_attn, layer.mlp
+                for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
+                    desc = _linear_desc(lin)
+                    if desc is None:
+                        break
+                    descs.append((lin, *desc))
+            if len(descs) == 4 * len(model.model.layers):
+                plan = _StackPlan(model, descs)
         model.__dict__["_fused_stack_plan"] = plan
     return plan
 
@@ -84,7 +131,6 @@ def stack_plan(model: nn.Module) -> Optional[_StackPlan]:
 def _plain_llama_stack(model: nn.Module) -> bool:
     from tokenmill.layers.activation import SiluAndMul
     from tokenmill.layers.norm import RMSNorm
-    from tokenmill.layers.quant.methods import UnquantizedLinearMethod
     from tokenmill.layers.rotary import RotaryEmbedding
     from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
     layers = list(model.model.layers)
@@ -101,11 +147,6 @@ def _plain_llama_stack(model: nn.Module) -> bool:
                 and a.scale == a0.scale and a.head_dim % 2 == 0
                 and (a.num_heads, a.num_kv_heads, a.head_dim) == (a0.num_heads, a0.num_kv_heads, a0.head_dim)):
             return False
-        for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
-            w = getattr(lin, "weight", None)
-            if (type(lin.quant_method) is not UnquantizedLinearMethod or lin.bias is not None
-                    or not _fp32_cpu(w) or not w.is_contiguous()):
-                return False
     return _fp32_cpu(a0.rotary.cos) and a0.rotary.cos.is_contiguous() and a0.rotary.sin.is_contiguous()
 
 
@@ -118,7 +159,7 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
             and cpu_ops.active() and _fp32_cpu(x) and positions.dtype is torch.int64):
         return None
     plan = stack_plan(model)
-    if plan is None or len(kv_caches) != len(plan.wqkv) or not plan.usable():
+    if plan is None or len(kv_caches) != plan.num_layers or not plan.usable():
         return None
     caches = plan.cache_ptrs(kv_caches)
     if caches is None:
@@ -128,7 +169,8 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
         return None   # the kernel indexes the RoPE tables unchecked
     x = x.contiguous().clone()
     h, hq, hkv, d, i = plan.hidden, plan.heads, plan.kv_heads, plan.head_dim, plan.inter
-    scratch = torch.empty(t * (2 * h + (hq + 2 * hkv) * d + hq * d + 3 * i), dtype=torch.float32)
+    nqkv = (hq + 2 * hkv) * d
+    scratch = torch.empty(t * (2 * h + nqkv + hq * d + 3 * i + max(nqkv, 2 * i, h)), dtype=torch.float32)
     tables = meta.block_tables.contiguous()
     q_start = meta.query_start_loc[:-1].contiguous()
     q_len = torch.tensor(meta.query_lens, dtype=torch.int64)
@@ -136,9 +178,8 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
     slots = meta.slot_mapping.contiguous()
     kc, vc = caches
     failed = cpu_ops._lib.tm_llama_decode(
-        x.data_ptr(), t, h, len(kv_caches), plan.ln1.data_ptr(), plan.wqkv.data_ptr(),
-        plan.wo.data_ptr(), plan.ln2.data_ptr(), plan.wgu.data_ptr(), plan.wd.data_ptr(),
-        kc.data_ptr(), vc.data_ptr(), hq, hkv, d, i, plan.eps,
+        x.data_ptr(), t, h, plan.num_layers, plan.ln1.data_ptr(), plan.ln2.data_ptr(),
+        plan.linears.data_ptr(), kc.data_ptr(), vc.data_ptr(), hq, hkv, d, i, plan.eps,
         plan.rotary.cos.data_ptr(), plan.rotary.sin.data_ptr(), positions.data_ptr(),
         slots.data_ptr(), kv_caches[0][0].shape[1], tables.data_ptr(), tables.shape[1],
         len(meta.query_lens), q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(),
