@@ -22,7 +22,8 @@ def model_dir(request, tmp_path_factory):
     return str(path)
 
 
-def _generate(model_dir, prompts, fused: bool, monkeypatch, calls: list, quantization=None):
+def _generate(model_dir, prompts, fused: bool, monkeypatch, calls: list, quantization=None,
+              kv_cache_dtype="auto"):
     real = llama_fused.run_layers
 
     def counting(*args):
@@ -31,24 +32,59 @@ def _generate(model_dir, prompts, fused: bool, monkeypatch, calls: list, quantiz
         return out
     monkeypatch.setattr(llama_fused, "run_layers", counting)
     llm = LLM(model=model_dir, skip_tokenizer_init=True, block_size=4, enable_prefix_caching=False,
-              quantization=quantization)
+              quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
-@pytest.mark.parametrize("batch,quantization", [(1, None), (3, None), (1, "int8"), (3, "int4-g32"),
-                                                (1, "fp8")])
-def test_fused_stack_is_bit_identical_to_the_modules(model_dir, monkeypatch, batch, quantization):
+@pytest.mark.parametrize("batch,quantization,kv", [(1, None, "auto"), (3, None, "auto"),
+                                                   (1, "int8", "auto"), (3, "int4-g32", "auto"),
+                                                   (1, "fp8", "auto"), (3, None, "int8"),
+                                                   (1, "gptq-act-order", "auto")])
+def test_fused_stack_is_bit_identical_to_the_modules(model_dir, monkeypatch, tmp_path, batch,
+                                                      quantization, kv):
     prompts = PROMPTS[:batch]
+    if quantization == "gptq-act-order":   # a checkpoint whose parts permute their inputs
+        model_dir, quantization = _gptq_checkpoint(model_dir, tmp_path), None
     used: list = []
-    fused = _generate(model_dir, prompts, True, monkeypatch, used, quantization)
-    plain = _generate(model_dir, prompts, False, monkeypatch, [], quantization)
+    fused = _generate(model_dir, prompts, True, monkeypatch, used, quantization, kv)
+    plain = _generate(model_dir, prompts, False, monkeypatch, [], quantization, kv)
     assert any(used), "the fused path never ran on decode steps"
     assert not all(used), "prefill steps must take the module path"
     for a, b in zip(fused, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert {t: v.logprob for t, v in la.items()} == {t: v.logprob for t, v in lb.items()}
+
+
+def _gptq_checkpoint(model_dir, tmp_path) -> str:
+    from tokenmill.layers.linear import Linear
+    from tokenmill.models.loader import open_checkpoint
+    from tokenmill.quantization import writer
+    from tokenmill.quantization.gptq import HessianAccumulator
+    from tokenmill.quantization.quantize import QuantizeArgs, _quantize_tensors, linear_prefixes
+
+    class Stats:   # random correlated calibration inputs: distinct act-orders per layer
+        def __init__(self, model):
+            g = torch.Generator().manual_seed(0)
+            self.hessians = {}
+            for name, m in model.named_modules():
+                if isinstance(m, Linear) and not name.endswith("lm_head"):
+                    x = torch.randn(256, m.in_features, generator=g) * torch.rand(m.in_features, generator=g)
+                    self.hessians[name] = HessianAccumulator(m.in_features)
+                    self.hessians[name].add(x)
+
+    out = str(tmp_path / "gptq")
+    source = open_checkpoint(model_dir)
+    model = LLM(model=model_dir, skip_tokenizer_init=True).engine.model
+    args = QuantizeArgs(model=model_dir, method="gptq", output=out, bits=4, group_size=32, act_order=True)
+    written = _quantize_tensors(args, dict(source.iter_tensors()), linear_prefixes(model), Stats(model), model)
+    writer.write_checkpoint(out, source.hf_config, written,
+                            writer.quantization_config("gptq", 4, 32, desc_act=True))
+    loaded = LLM(model=out, skip_tokenizer_init=True).engine.model
+    assert any(p.perm is not None for p in loaded.model.layers[0].mlp.down_proj.packed)
+    assert llama_fused.stack_plan(loaded) is not None
+    return out
 
 
 def test_fused_stack_steps_aside(model_dir):

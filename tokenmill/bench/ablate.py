@@ -267,7 +267,7 @@ def _variants(ctx: Context, name: str):
             cpu_ops.set_enabled(False)
             reset_off()
         return "main", Variant(base.llm, before_run=on_run), Variant(llm, before_run=off_run), \
-            "reference attention, no fused C kernels (norm, rope, silu, paged attention)"
+            "reference attention, no fused C kernels (norm, rope, silu, GEMV, paged attention, one-call decode stack)"
     raise ValueError(f"unknown ablation {name!r}; choose from {', '.join(ABLATIONS)}")
 
 

@@ -3,8 +3,8 @@
 Eager PyTorch spends several milliseconds per decode step on Python: ~10 module calls and
 ~10 kernel calls per layer. When a step is decode-sized (at most ``cpu_ops.LINEAR_MAX_ROWS``
 tokens) and the model is a plain Llama stack on the fused CPU kernels (linears without
-biases, float32 or packed for the quantized kernel with float activations; float32 KV
-cache; RMSNorm, SiLU, RoPE; no sliding window, no q/k norm, no hooks), the layers run back
+biases, float32 or packed for the quantized kernel with float activations; float32 or
+int8 KV cache; RMSNorm, SiLU, RoPE; no sliding window, no q/k norm, no hooks), the layers run back
 to back in C instead: the same kernels in the same order, so the hidden states are
 bit-identical to the module path. Anything else returns None and the caller runs its
 modules.
@@ -19,8 +19,8 @@ from torch import nn
 from tokenmill.layers import cpu_ops
 
 
-DEC_PARTS, DEC_FIELDS = 4, 6   # cpu_decode.c: parts per linear, int64 fields per part
-_NO_PART = [-2, 0, 0, 0, 0, 0]
+DEC_PARTS, DEC_FIELDS = 4, 7   # cpu_decode.c: parts per linear, int64 fields per part
+_NO_PART = [-2, 0, 0, 0, 0, 0, 0]
 
 
 def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
@@ -36,18 +36,22 @@ def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
         w = getattr(lin, "weight", None)
         if not (_fp32_cpu(w) and w.is_contiguous()):
             return None
-        return [-1, w.data_ptr(), 0, 0, 0, w.shape[0]] + _NO_PART * (DEC_PARTS - 1), w
+        return [-1, w.data_ptr(), 0, 0, 0, w.shape[0], 0] + _NO_PART * (DEC_PARTS - 1), w
     if not (isinstance(method, PackedLinearMethod) and type(method).apply is PackedLinearMethod.apply
             and method.use_kernel and method.kernel_max_rows >= cpu_ops.LINEAR_MAX_ROWS
             and activation_mode() == "fp32"):
         return None
     parts = lin.packed
-    if not parts or len(parts) > DEC_PARTS or any(p.perm is not None or not kernel_applies(p) for p in parts):
+    if not parts or len(parts) > DEC_PARTS or not all(kernel_applies(p) for p in parts):
         return None
     desc = []
     for p in parts:
+        if p.perm is not None and not (p.perm.dtype is torch.int64 and p.perm.is_contiguous()
+                                       and p.perm.numel() == p.in_features):
+            return None
         desc += [_KINDS[p.kind], p.qweight.data_ptr(), p.scales.data_ptr(),
-                 p.mins.data_ptr() if p.mins is not None else 0, p.group_size, p.out_features]
+                 p.mins.data_ptr() if p.mins is not None else 0, p.group_size, p.out_features,
+                 p.perm.data_ptr() if p.perm is not None else 0]
     return desc + _NO_PART * (DEC_PARTS - len(parts)), parts
 
 
@@ -93,15 +97,32 @@ class _StackPlan:
         return not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
 
     def cache_ptrs(self, kv_caches: list) -> Optional[tuple]:
+        """(k, v, k scales or None, v scales or None) address arrays; None for caches the C
+        path does not write (float32 and int8 are supported)."""
         if len(kv_caches) != len(self._caches) or any(
                 a is not b for pair, old in zip(kv_caches, self._caches) for a, b in zip(pair, old)):
-            for k, v in kv_caches:
-                if not (_fp32_cpu(k) and _fp32_cpu(v) and k.is_contiguous() and v.is_contiguous()):
-                    return None
-            self._kc = torch.tensor([k.data_ptr() for k, _ in kv_caches], dtype=torch.int64)
-            self._vc = torch.tensor([v.data_ptr() for _, v in kv_caches], dtype=torch.int64)
+            parts = [_cache_parts(c) for pair in kv_caches for c in pair]
+            if any(p is None for p in parts) or len({p[1] is None for p in parts}) != 1:
+                return None
+            def addresses(items):
+                return torch.tensor([t.data_ptr() for t in items], dtype=torch.int64)
+            values, scales = [p[0] for p in parts], [p[1] for p in parts]
+            self._ptrs = (addresses(values[0::2]), addresses(values[1::2]),
+                          None if scales[0] is None else addresses(scales[0::2]),
+                          None if scales[0] is None else addresses(scales[1::2]))
             self._caches = [tuple(pair) for pair in kv_caches]   # referenced: addresses stay valid
-        return self._kc, self._vc
+        return self._ptrs
+
+
+def _cache_parts(cache) -> Optional[tuple]:
+    """(values, per-slot scales or None) of a float32 cache or an int8 QuantizedKV."""
+    if isinstance(cache, torch.Tensor):
+        return (cache, None) if _fp32_cpu(cache) and cache.is_contiguous() else None
+    values, scale = getattr(cache, "values", None), getattr(cache, "scale", None)
+    if (isinstance(values, torch.Tensor) and values.dtype is torch.int8 and values.device.type == "cpu"
+            and values.is_contiguous() and _fp32_cpu(scale) and scale.is_contiguous()):
+        return values, scale
+    return None
 
 
 def _fp32_cpu(t) -> bool:
@@ -170,18 +191,22 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
     x = x.contiguous().clone()
     h, hq, hkv, d, i = plan.hidden, plan.heads, plan.kv_heads, plan.head_dim, plan.inter
     nqkv = (hq + 2 * hkv) * d
-    scratch = torch.empty(t * (2 * h + nqkv + hq * d + 3 * i + max(nqkv, 2 * i, h)), dtype=torch.float32)
+    scratch = torch.empty(t * (2 * h + nqkv + hq * d + 3 * i + max(nqkv, 2 * i, h)
+                               + max(h, hq * d, i)), dtype=torch.float32)
     tables = meta.block_tables.contiguous()
     q_start = meta.query_start_loc[:-1].contiguous()
     q_len = torch.tensor(meta.query_lens, dtype=torch.int64)
     seq_len = meta.seq_lens.contiguous()
     slots = meta.slot_mapping.contiguous()
-    kc, vc = caches
+    kc, vc, ks, vs = caches
+    block_size = _cache_parts(kv_caches[0][0])[0].shape[1]
     failed = cpu_ops._lib.tm_llama_decode(
         x.data_ptr(), t, h, plan.num_layers, plan.ln1.data_ptr(), plan.ln2.data_ptr(),
-        plan.linears.data_ptr(), kc.data_ptr(), vc.data_ptr(), hq, hkv, d, i, plan.eps,
+        plan.linears.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+        ks.data_ptr() if ks is not None else None, vs.data_ptr() if vs is not None else None,
+        hq, hkv, d, i, plan.eps,
         plan.rotary.cos.data_ptr(), plan.rotary.sin.data_ptr(), positions.data_ptr(),
-        slots.data_ptr(), kv_caches[0][0].shape[1], tables.data_ptr(), tables.shape[1],
+        slots.data_ptr(), block_size, tables.data_ptr(), tables.shape[1],
         len(meta.query_lens), q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(),
         plan.scale, scratch.data_ptr(), torch.get_num_threads())
     if failed:
