@@ -152,6 +152,17 @@ def test_small_m_linear_matches_f_linear(m, n, k):
     torch.testing.assert_close(cpu_ops.linear(x, w), expected - b, rtol=1e-5, atol=1e-4)
 
 
+def test_small_m_linear_kernel_slices_rows_beyond_its_block():
+    # the Python wrapper never passes more than LINEAR_MAX_ROWS; the C entry point still
+    # must not overrun its accumulators if called with more
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(11, 40, generator=g), torch.randn(19, 40, generator=g)
+    y = torch.empty(11, 19)
+    cpu_ops._lib.tm_linear_small_m(x.data_ptr(), 11, 40, w.data_ptr(), 19, None, y.data_ptr(), 2)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x.double(), w.double()).float(),
+                               rtol=1e-5, atol=1e-4)
+
+
 def test_small_m_linear_declines_what_it_does_not_cover():
     w = torch.randn(16, 32)
     assert cpu_ops.linear(torch.randn(cpu_ops.LINEAR_MAX_ROWS + 1, 32), w) is None   # a GEMM

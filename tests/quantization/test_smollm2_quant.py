@@ -13,15 +13,17 @@ pytestmark = [pytest.mark.slow,
 
 
 def _greedy(llm):
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
     outs = llm.generate(["The capital of France is", "def fibonacci(n):"], params, use_tqdm=False)
     return [o.outputs[0] for o in outs]
 
 
 @pytest.mark.parametrize("activations,tol", [("fp32", 1e-3), ("q8", 0.5)])
 def test_gguf_packed_equals_fp32_expansion(activations, tol):
-    """Float activations: the same function up to summation order. Int8 activations (the
-    fast decode default): the same greedy tokens, logprobs within 0.5 nats (measured: up to 0.41 on these prompts: SmolLM2 has outlier activations that coarsen their 32-value runs)."""
+    """Float activations: the same function up to summation order, so the same greedy tokens.
+    Int8 activations (opt-in): logprobs within 0.5 nats (measured: up to 0.41 on these
+    prompts: SmolLM2 has outlier activations that coarsen their 32-value runs), and greedy
+    tokens equal until a position where the float model's top two are that close."""
     from tokenmill.layers.quant.matmul import activation_mode, set_activation_mode
     fp32 = LLM(PATH, num_kv_blocks=32, max_model_len=128)
     packed = LLM(PATH, quantization="gguf", num_kv_blocks=32, max_model_len=128)
@@ -34,6 +36,10 @@ def test_gguf_packed_equals_fp32_expansion(activations, tol):
     finally:
         set_activation_mode(default)
     for a, b in zip(got, _greedy(fp32)):
-        assert a.token_ids == b.token_ids
-        for la, lb, t in zip(a.logprobs, b.logprobs, a.token_ids):
-            assert abs(la[t].logprob - lb[t].logprob) < tol
+        for la, lb, ta, tb in zip(a.logprobs, b.logprobs, a.token_ids, b.token_ids):
+            if ta != tb:
+                # only a near-tie of the float model may flip (then the texts part ways)
+                top = sorted((v.logprob for v in lb.values()), reverse=True)
+                assert activations == "q8" and top[0] - top[1] < tol, (a.token_ids, b.token_ids)
+                break
+            assert abs(la[ta].logprob - lb[tb].logprob) < tol

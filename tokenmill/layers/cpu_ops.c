@@ -142,6 +142,12 @@ static inline void gemv_row1(const float *x, int64_t M, int64_t K, const float *
 
 void tm_linear_small_m(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
                        const float *bias, float *y, int nthreads) {
+    if (M > GEMV_MAX_M) {   /* callers stay within GEMV_MAX_M; larger M runs in slices */
+        for (int64_t m0 = 0; m0 < M; m0 += GEMV_MAX_M)
+            tm_linear_small_m(x + m0 * K, M - m0 < GEMV_MAX_M ? M - m0 : GEMV_MAX_M, K, w, N,
+                              bias, y + m0 * N, nthreads);
+        return;
+    }
     int64_t n4 = N / 4;
     /* chunks of 16 rows per task: few enough scheduling points, many enough to balance */
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K >= (1 << 16))
