@@ -142,7 +142,7 @@ def test_paged_attention_reads_int8_cache_like_its_dequantized_values(window):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 16])   # > 4: the kernel runs 4-row slices
 @pytest.mark.parametrize("n,k", [(4, 8), (37, 576), (1728, 576), (5, 13), (129, 1536)])
 def test_small_m_linear_matches_f_linear(m, n, k):
     g = torch.Generator().manual_seed(m * n + k)
@@ -183,5 +183,5 @@ def test_unquantized_linear_layer_uses_the_kernel_for_decode_rows(monkeypatch):
     torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias),
                                rtol=1e-5, atol=1e-5)
     assert calls
-    layer(torch.randn(9, 32))   # prefill-sized: BLAS, not the kernel
+    layer(torch.randn(cpu_ops.LINEAR_MAX_ROWS + 1, 32))   # prefill-sized: BLAS, not the kernel
     assert len(calls) == 1

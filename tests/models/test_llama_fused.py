@@ -40,17 +40,19 @@ def _generate(model_dir, prompts, fused: bool, monkeypatch, calls: list, quantiz
 @pytest.mark.parametrize("batch,quantization,kv", [(1, None, "auto"), (3, None, "auto"),
                                                    (1, "int8", "auto"), (3, "int4-g32", "auto"),
                                                    (1, "fp8", "auto"), (3, None, "int8"),
-                                                   (1, "gptq-act-order", "auto")])
+                                                   (1, "gptq-act-order", "auto"),
+                                                   (12, None, "auto"), (12, "int8", "int8")])
 def test_fused_stack_is_bit_identical_to_the_modules(model_dir, monkeypatch, tmp_path, batch,
                                                       quantization, kv):
-    prompts = PROMPTS[:batch]
+    prompts = (PROMPTS * 4)[:batch]   # 12: past the kernel's 4-row block
     if quantization == "gptq-act-order":   # a checkpoint whose parts permute their inputs
         model_dir, quantization = _gptq_checkpoint(model_dir, tmp_path), None
     used: list = []
     fused = _generate(model_dir, prompts, True, monkeypatch, used, quantization, kv)
     plain = _generate(model_dir, prompts, False, monkeypatch, [], quantization, kv)
     assert any(used), "the fused path never ran on decode steps"
-    assert not all(used), "prefill steps must take the module path"
+    if max(map(len, prompts)) > 8:   # runs longer than the short-run kernel's: SDPA modules
+        assert not all(used), "long prefill steps must take the module path"
     for a, b in zip(fused, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):

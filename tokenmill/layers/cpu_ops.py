@@ -74,13 +74,15 @@ def _ok(*tensors: torch.Tensor) -> bool:
 
 
 # -- small-M linear -----------------------------------------------------------------------
-LINEAR_MAX_ROWS = 4   # GEMV_MAX_M in cpu_ops.c; larger batches are GEMMs (BLAS wins there)
+LINEAR_MAX_ROWS = 16  # the kernel streams W once per 4 rows (GEMV_MAX_M in cpu_ops.c). On this
+#                     AVX2 box MKL's small-M GEMM is slow: 8 rows ours ~29 vs MKL ~19 GFLOPS,
+#                     16 rows 31-42 vs ~32; at 32 rows MKL wins (46-57 vs 38-46).
 _linear_threads = int(os.environ.get("TOKENMILL_GEMV_THREADS", "0"))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """x [..., K] with at most LINEAR_MAX_ROWS rows -> x W^T + b, streaming the weight once."""
+    """x [..., K] with at most LINEAR_MAX_ROWS rows -> x W^T + b, streaming W once per 4 rows."""
     if not (active() and _ok(x, weight) and x.is_contiguous() and weight.is_contiguous()
             and weight.dim() == 2 and x.shape[-1] == weight.shape[1]):
         return None

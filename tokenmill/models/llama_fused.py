@@ -179,6 +179,9 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
     if not (0 < t <= cpu_ops.LINEAR_MAX_ROWS and getattr(backend, "name", None) == "cpu"
             and cpu_ops.active() and _fp32_cpu(x) and positions.dtype is torch.int64):
         return None
+    from tokenmill.layers.attention.cpu import MAX_BATCHED_QUERY_LEN
+    if meta.max_query_len > MAX_BATCHED_QUERY_LEN:
+        return None   # the module path attends to longer runs with SDPA: not the same numerics
     plan = stack_plan(model)
     if plan is None or len(kv_caches) != plan.num_layers or not plan.usable():
         return None
