@@ -77,7 +77,6 @@ def _ok(*tensors: torch.Tensor) -> bool:
 LINEAR_MAX_ROWS = 16  # the kernel streams W once per 4 rows (GEMV_MAX_M in cpu_ops.c). On this
 #                     AVX2 box MKL's small-M GEMM is slow: 8 rows ours ~29 vs MKL ~19 GFLOPS,
 #                     16 rows 31-42 vs ~32; at 32 rows MKL wins (46-57 vs 38-46).
-_linear_threads = int(os.environ.get("TOKENMILL_GEMV_THREADS", "0"))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
@@ -93,7 +92,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     _lib.tm_linear_small_m(x.data_ptr(), m, k, weight.data_ptr(), n,
                            bias.data_ptr() if bias is not None else None, y.data_ptr(),
-                           _linear_threads or torch.get_num_threads())
+                           torch.get_num_threads())
     return y
 
 

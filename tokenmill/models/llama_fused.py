@@ -101,8 +101,9 @@ class _StackPlan:
         path does not write (float32 and int8 are supported)."""
         if len(kv_caches) != len(self._caches) or any(
                 a is not b for pair, old in zip(kv_caches, self._caches) for a, b in zip(pair, old)):
-            parts = [_cache_parts(c) for pair in kv_caches for c in pair]
-            if any(p is None for p in parts) or len({p[1] is None for p in parts}) != 1:
+            # the attention kernel's reader: float32 caches, or int8 with per-slot scales
+            parts = [cpu_ops._cache_parts(c) for pair in kv_caches for c in pair]
+            if any(p[0] is None for p in parts) or len({p[1] is None for p in parts}) != 1:
                 return None
             def addresses(items):
                 return torch.tensor([t.data_ptr() for t in items], dtype=torch.int64)
@@ -110,19 +111,9 @@ class _StackPlan:
             self._ptrs = (addresses(values[0::2]), addresses(values[1::2]),
                           None if scales[0] is None else addresses(scales[0::2]),
                           None if scales[0] is None else addresses(scales[1::2]))
+            self.block_size = values[0].shape[1]
             self._caches = [tuple(pair) for pair in kv_caches]   # referenced: addresses stay valid
         return self._ptrs
-
-
-def _cache_parts(cache) -> Optional[tuple]:
-    """(values, per-slot scales or None) of a float32 cache or an int8 QuantizedKV."""
-    if isinstance(cache, torch.Tensor):
-        return (cache, None) if _fp32_cpu(cache) and cache.is_contiguous() else None
-    values, scale = getattr(cache, "values", None), getattr(cache, "scale", None)
-    if (isinstance(values, torch.Tensor) and values.dtype is torch.int8 and values.device.type == "cpu"
-            and values.is_contiguous() and _fp32_cpu(scale) and scale.is_contiguous()):
-        return values, scale
-    return None
 
 
 def _fp32_cpu(t) -> bool:
@@ -189,8 +180,8 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
     if caches is None:
         return None
     positions = positions.contiguous()
-    if int(positions.min()) < 0 or int(positions.max()) >= plan.rotary.cos.shape[0]:
-        return None   # the kernel indexes the RoPE tables unchecked
+    if not plan.rotary._fused_ok(positions, meta.plan_cache):
+        return None   # positions outside the RoPE tables (the kernel indexes them unchecked)
     x = x.contiguous().clone()
     h, hq, hkv, d, i = plan.hidden, plan.heads, plan.kv_heads, plan.head_dim, plan.inter
     nqkv = (hq + 2 * hkv) * d
@@ -202,14 +193,13 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
     seq_len = meta.seq_lens.contiguous()
     slots = meta.slot_mapping.contiguous()
     kc, vc, ks, vs = caches
-    block_size = _cache_parts(kv_caches[0][0])[0].shape[1]
     failed = cpu_ops._lib.tm_llama_decode(
         x.data_ptr(), t, h, plan.num_layers, plan.ln1.data_ptr(), plan.ln2.data_ptr(),
         plan.linears.data_ptr(), kc.data_ptr(), vc.data_ptr(),
         ks.data_ptr() if ks is not None else None, vs.data_ptr() if vs is not None else None,
         hq, hkv, d, i, plan.eps,
         plan.rotary.cos.data_ptr(), plan.rotary.sin.data_ptr(), positions.data_ptr(),
-        slots.data_ptr(), block_size, tables.data_ptr(), tables.shape[1],
+        slots.data_ptr(), plan.block_size, tables.data_ptr(), tables.shape[1],
         len(meta.query_lens), q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(),
         plan.scale, scratch.data_ptr(), torch.get_num_threads())
     if failed:
