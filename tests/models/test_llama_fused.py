@@ -41,15 +41,31 @@ def _generate(model_dir, prompts, fused: bool, monkeypatch, calls: list, quantiz
                                                    (1, "int8", "auto"), (3, "int4-g32", "auto"),
                                                    (1, "fp8", "auto"), (3, None, "int8"),
                                                    (1, "gptq-act-order", "auto"),
-                                                   (12, None, "auto"), (12, "int8", "int8")])
+                                                   (12, None, "auto"), (12, "int8", "int8"),
+                                                   (1, "int4-g32:q8", "auto"), (3, "int8:q8", "int8"),
+                                                   (6, "gptq-act-order:q8", "auto"),
+                                                   (1, "gguf", "auto"), (3, "gguf:q8", "auto")])
 def test_fused_stack_is_bit_identical_to_the_modules(model_dir, monkeypatch, tmp_path, batch,
                                                       quantization, kv):
+    """":q8": int8-rounded activations for the int8 / int4 linears (the C stack calls the
+    same integer-dot kernel); "gguf": a GGUF with Q4_0 / Q4_1 / Q8_0 tensors kept packed
+    (float16 block scales)."""
+    from tokenmill.layers.quant.matmul import activation_mode, set_activation_mode
     prompts = (PROMPTS * 4)[:batch]   # 12: past the kernel's 4-row block
+    quantization, _, activations = (quantization or "").partition(":")
+    quantization = quantization or None
     if quantization == "gptq-act-order":   # a checkpoint whose parts permute their inputs
         model_dir, quantization = _gptq_checkpoint(model_dir, tmp_path), None
+    if quantization == "gguf":
+        model_dir = _tiny_gguf(tmp_path)
+    default = activation_mode()
+    set_activation_mode(activations or "fp32")
     used: list = []
-    fused = _generate(model_dir, prompts, True, monkeypatch, used, quantization, kv)
-    plain = _generate(model_dir, prompts, False, monkeypatch, [], quantization, kv)
+    try:
+        fused = _generate(model_dir, prompts, True, monkeypatch, used, quantization, kv)
+        plain = _generate(model_dir, prompts, False, monkeypatch, [], quantization, kv)
+    finally:
+        set_activation_mode(default)
     assert any(used), "the fused path never ran on decode steps"
     if max(map(len, prompts)) > 8:   # runs longer than the short-run kernel's: SDPA modules
         assert not all(used), "long prefill steps must take the module path"
@@ -57,6 +73,19 @@ def test_fused_stack_is_bit_identical_to_the_modules(model_dir, monkeypatch, tmp
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert {t: v.logprob for t, v in la.items()} == {t: v.logprob for t, v in lb.items()}
+
+
+def _tiny_gguf(tmp_path) -> str:
+    import numpy as np
+    pytest.importorskip("gguf")
+    from tests.models.test_gguf_reader import write_tiny_llama
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, np.random.default_rng(3))
+    model = LLM(model=str(path), quantization="gguf").engine.model
+    o_proj = model.model.layers[0].self_attn.o_proj   # Q4_1: fp16 block fields kept half
+    assert o_proj.packed[0].scales.dtype is torch.float16 and o_proj.packed[0].mins.dtype is torch.float16
+    assert llama_fused.stack_plan(model) is not None
+    return str(path)
 
 
 def _gptq_checkpoint(model_dir, tmp_path) -> str:
@@ -118,10 +147,8 @@ def test_stacks_the_c_path_cannot_reproduce_are_not_planned(tmp_path, tiny_llama
     planned = llama_fused.stack_plan(LLM(model=tiny_llama_dir, skip_tokenizer_init=True,
                                          quantization="int8").engine.model)
     assert planned is not None and planned.usable()
-    set_activation_mode("q8")        # integer-dot activations: not what the C path runs
+    set_activation_mode("q8")        # integer-dot activations: the C path runs them too
     try:
-        assert not planned.usable()
-        llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, quantization="int8")
-        assert llama_fused.stack_plan(llm.engine.model) is None
+        assert planned.usable()
     finally:
         set_activation_mode(default)

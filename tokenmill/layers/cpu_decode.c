@@ -10,22 +10,26 @@
  *   x += (silu(h2 Wgate^T) * (h2 Wup^T)) Wdown^T
  * Norm weights and caches are arrays of L addresses. Each linear is described by
  * DEC_PARTS parts of DEC_FIELDS int64 each ({kind, weight, scale, mins, group, n, perm};
- * kind -1 = float32 weight [n, K], 0/1/2 = int8/int4/fp8 packed for tm_qmm, -2 = no part;
+ * kind -1 = float32 weight [n, K], 0/1/2 = int8/int4/fp8 packed for tm_qmm (| KIND_HALF:
+ * float16 scales), -2 = no part;
  * perm: 0 or an int64 [K] input-column order, GPTQ act-order): the parts' outputs are
  * concatenated, as the Python linear methods do. linears holds L x 4 (qkv, o, gate_up,
  * down) such descriptors. k_scales / v_scales: NULL for float32 caches, else L addresses of
  * the per-slot scales of int8 caches (K/V quantized on write like kv_quant.quantize_kv).
  * scratch holds T * (2H + Q + Hq D + 3I + max(Q, 2I, H) + max(H, Hq D, I)) floats,
- * Q = (Hq + 2Hkv) D. Returns nonzero if attention could not allocate its buffer. */
+ * Q = (Hq + 2Hkv) D. q8: int8 / int4 linears take int8-rounded activations (tm_qmm_q8).
+ * Returns 1 if attention, 2 if the q8 kernel, could not allocate its buffer. */
 #include <float.h>
 
 #define DEC_PARTS 4
 #define DEC_TINY FLT_MIN   /* kv_quant._TINY: scale floor of an all-zero row */
 #define DEC_FIELDS 7
 
-/* y[T, ntot] = x[T, K] W^T over the parts of one linear; tmp: T * ntot floats, xp: T * K. */
-static void dec_linear(const int64_t *desc, const float *x, int64_t T, int64_t K, int64_t ntot,
-                       float *y, float *tmp, float *xp, int nthreads) {
+/* y[T, ntot] = x[T, K] W^T over the parts of one linear; tmp: T * ntot floats, xp: T * K.
+ * q8: int8 / int4 parts take int8-rounded activations (tm_qmm_q8), as matmul.py's q8 mode
+ * does. Returns nonzero when the q8 kernel could not allocate its buffer. */
+static int dec_linear(const int64_t *desc, const float *x, int64_t T, int64_t K, int64_t ntot,
+                      float *y, float *tmp, float *xp, int q8, int nthreads) {
     int64_t off = 0;
     const int single = desc[DEC_FIELDS] == -2;
     for (int p = 0; p < DEC_PARTS && desc[p * DEC_FIELDS] != -2; p++) {
@@ -40,7 +44,11 @@ static void dec_linear(const int64_t *desc, const float *x, int64_t T, int64_t K
         }
         if (kind == -1)
             tm_linear_small_m(in, T, K, (const float *)d[1], n, NULL, dst, nthreads);
-        else
+        else if (q8 && ((kind & 7) == 0 || (kind & 7) == 1)) {   /* i8 / i4, maybe | KIND_HALF */
+            if (tm_qmm_q8(in, T, K, (const uint8_t *)d[1], (const float *)d[2],
+                          (const float *)d[3], d[4], n, (int)kind, dst, nthreads))
+                return 1;
+        } else
             tm_qmm(in, T, K, (const uint8_t *)d[1], (const float *)d[2], (const float *)d[3],
                    d[4], n, (int)kind, dst, nthreads);
         if (!single)
@@ -48,6 +56,7 @@ static void dec_linear(const int64_t *desc, const float *x, int64_t T, int64_t K
                 memcpy(y + t * ntot + off, tmp + t * n, sizeof(float) * (size_t)n);
         off += n;
     }
+    return 0;
 }
 
 /* int8 KV write of one [Hkv, D] row: per head scale = max(max|v| / 127, tiny), values
@@ -78,7 +87,7 @@ int tm_llama_decode(float *x, int64_t T, int64_t H, int64_t L,
                     const int64_t *slots, int64_t bs, const int64_t *block_tables,
                     int64_t bt_stride, int64_t B, const int64_t *q_start,
                     const int64_t *q_len, const int64_t *seq_len, float scale,
-                    float *scratch, int nthreads) {
+                    float *scratch, int q8, int nthreads) {
     const int64_t nqkv = (Hq + 2 * Hkv) * D, kv_row = Hkv * D;
     float *h = scratch, *h2 = h + T * H, *qkv = h2 + T * H, *att = qkv + T * nqkv;
     float *gu = att + T * Hq * D, *act = gu + T * 2 * I, *tmp = act + T * I;
@@ -90,7 +99,7 @@ int tm_llama_decode(float *x, int64_t T, int64_t H, int64_t L,
         float *ks = k_scales ? (float *)k_scales[l] : NULL, *vs = v_scales ? (float *)v_scales[l] : NULL;
         const int64_t *lin = linears + l * 4 * per_linear;
         tm_rms_norm(x, NULL, (const float *)ln1[l], eps, T, H, h, nthreads);
-        dec_linear(lin, h, T, H, nqkv, qkv, tmp, xp, nthreads);
+        if (dec_linear(lin, h, T, H, nqkv, qkv, tmp, xp, q8, nthreads)) return 2;
         tm_rope(qkv, qkv + Hq * D, T, Hq, Hkv, D, nqkv, nqkv, cos, sin, pos);
         for (int64_t t = 0; t < T; t++) {
             const float *kr = qkv + t * nqkv + Hq * D, *vr = kr + Hkv * D;
@@ -105,11 +114,11 @@ int tm_llama_decode(float *x, int64_t T, int64_t H, int64_t L,
         if (tm_paged_attention(qkv, nqkv, Hq, D, kc, vc, ks, vs, bs, Hkv, block_tables,
                                bt_stride, B, q_start, q_len, seq_len, scale, 0, att, nthreads))
             return 1;
-        dec_linear(lin + per_linear, att, T, Hq * D, H, h, tmp, xp, nthreads);
+        if (dec_linear(lin + per_linear, att, T, Hq * D, H, h, tmp, xp, q8, nthreads)) return 2;
         tm_rms_norm(h, x, (const float *)ln2[l], eps, T, H, h2, nthreads);   /* x += h */
-        dec_linear(lin + 2 * per_linear, h2, T, H, 2 * I, gu, tmp, xp, nthreads);
+        if (dec_linear(lin + 2 * per_linear, h2, T, H, 2 * I, gu, tmp, xp, q8, nthreads)) return 2;
         tm_silu_mul(gu, T, I, act, nthreads);
-        dec_linear(lin + 3 * per_linear, act, T, I, H, h, tmp, xp, nthreads);
+        if (dec_linear(lin + 3 * per_linear, act, T, I, H, h, tmp, xp, q8, nthreads)) return 2;
         for (int64_t i = 0; i < T * H; i++) x[i] += h[i];
     }
     return 0;

@@ -48,7 +48,7 @@ def _load() -> Optional[ctypes.CDLL]:
                                        f32, i64, p, i32]
     lib.tm_paged_attention.restype = i32
     lib.tm_llama_decode.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, p, i64, i64, i64, i64, f32,
-                                    p, p, p, p, i64, p, i64, i64, p, p, p, f32, p, i32]
+                                    p, p, p, p, i64, p, i64, i64, p, p, p, f32, p, i32, i32]
     lib.tm_llama_decode.restype = i32
     _lib = lib
     return lib

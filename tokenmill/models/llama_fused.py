@@ -3,8 +3,8 @@
 Eager PyTorch spends several milliseconds per decode step on Python: ~10 module calls and
 ~10 kernel calls per layer. When a step is decode-sized (at most ``cpu_ops.LINEAR_MAX_ROWS``
 tokens) and the model is a plain Llama stack on the fused CPU kernels (linears without
-biases, float32 or packed for the quantized kernel with float activations; float32 or
-int8 KV cache; RMSNorm, SiLU, RoPE; no sliding window, no q/k norm, no hooks), the layers run back
+biases, float32 or packed for the quantized kernel, with float or int8-rounded (q8)
+activations as the quantized linears would take them; float32 or int8 KV cache; RMSNorm, SiLU, RoPE; no sliding window, no q/k norm, no hooks), the layers run back
 to back in C instead: the same kernels in the same order, so the hidden states are
 bit-identical to the module path. Anything else returns None and the caller runs its
 modules.
@@ -27,7 +27,8 @@ def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
     """cpu_decode.c's descriptor of one linear and the object whose identity pins it (the
     float weight, or the packed-parts list), or None when the C path cannot run it exactly
     as the module would."""
-    from tokenmill.layers.quant.matmul import _KINDS, activation_mode, kernel_applies
+    from tokenmill.layers.quant import kernels
+    from tokenmill.layers.quant.matmul import _KINDS, kernel_applies
     from tokenmill.layers.quant.methods import PackedLinearMethod, UnquantizedLinearMethod
     method = lin.quant_method
     if lin.bias is not None:
@@ -38,8 +39,7 @@ def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
             return None
         return [-1, w.data_ptr(), 0, 0, 0, w.shape[0], 0] + _NO_PART * (DEC_PARTS - 1), w
     if not (isinstance(method, PackedLinearMethod) and type(method).apply is PackedLinearMethod.apply
-            and method.use_kernel and method.kernel_max_rows >= cpu_ops.LINEAR_MAX_ROWS
-            and activation_mode() == "fp32"):
+            and method.use_kernel and method.kernel_max_rows >= cpu_ops.LINEAR_MAX_ROWS):
         return None
     parts = lin.packed
     if not parts or len(parts) > DEC_PARTS or not all(kernel_applies(p) for p in parts):
@@ -49,7 +49,7 @@ def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
         if p.perm is not None and not (p.perm.dtype is torch.int64 and p.perm.is_contiguous()
                                        and p.perm.numel() == p.in_features):
             return None
-        desc += [_KINDS[p.kind], p.qweight.data_ptr(), p.scales.data_ptr(),
+        desc += [kernels.kind_code(_KINDS[p.kind], p.scales), p.qweight.data_ptr(), p.scales.data_ptr(),
                  p.mins.data_ptr() if p.mins is not None else 0, p.group_size, p.out_features,
                  p.perm.data_ptr() if p.perm is not None else 0]
     return desc + _NO_PART * (DEC_PARTS - len(parts)), parts
@@ -69,32 +69,32 @@ class _StackPlan:
         self.scale = float(a0.scale)
         self.rotary = a0.rotary
         self.num_layers = len(layers)
-        self.modules = [m for layer in layers for m in layer.modules()]
+        # each module's hook dicts (registering a hook fills them; they are not replaced)
+        self.hook_dicts = [d for layer in layers for m in layer.modules()
+                           for d in (m._forward_hooks, m._forward_pre_hooks)]
         # The C side gets raw addresses: keep what they point into referenced, and check
         # per call that the modules still hold exactly these objects.
         norms = [(n, n.weight) for layer in layers
                  for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-        self.pins = norms + [(lin, pin) for lin, _, pin in descs]
+        # (where the module keeps it, its name, the object planned): packed parts live in
+        # the module's __dict__, parameters in its _parameters
+        self.pins = [(n._parameters, "weight", w) for n, w in norms] + [
+            (lin.__dict__, "packed", pin) if isinstance(pin, list) else (lin._parameters, "weight", pin)
+            for lin, _, pin in descs]
         self.ln1 = torch.tensor([l.input_layernorm.weight.data_ptr() for l in layers], dtype=torch.int64)
         self.ln2 = torch.tensor([l.post_attention_layernorm.weight.data_ptr() for l in layers],
                                 dtype=torch.int64)
         self.linears = torch.tensor([v for _, desc, _ in descs for v in desc], dtype=torch.int64)
         self._caches: list = []
-        self.packed = any(isinstance(pin, list) for _, _, pin in descs)
 
     def usable(self) -> bool:
-        """Same weights as when planned, float activations for packed linears (the q8 mode
-        is not what the C path runs), and no hooks that eager mode would run."""
-        from tokenmill.layers.quant.matmul import activation_mode
+        """Same weights as when planned and no hooks that eager mode would run."""
         from torch.nn.modules import module as torch_module
         if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
             return False
-        if self.packed and activation_mode() != "fp32":
+        if any(store.get(name) is not pin for store, name, pin in self.pins):
             return False
-        for owner, pin in self.pins:
-            if (owner.packed if isinstance(pin, list) else owner.weight) is not pin:
-                return False
-        return not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+        return not any(self.hook_dicts)
 
     def cache_ptrs(self, kv_caches: list) -> Optional[tuple]:
         """(k, v, k scales or None, v scales or None) address arrays; None for caches the C
@@ -171,6 +171,7 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
             and cpu_ops.active() and _fp32_cpu(x) and positions.dtype is torch.int64):
         return None
     from tokenmill.layers.attention.cpu import MAX_BATCHED_QUERY_LEN
+    from tokenmill.layers.quant.matmul import activation_mode
     if meta.max_query_len > MAX_BATCHED_QUERY_LEN:
         return None   # the module path attends to longer runs with SDPA: not the same numerics
     plan = stack_plan(model)
@@ -201,7 +202,8 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
         plan.rotary.cos.data_ptr(), plan.rotary.sin.data_ptr(), positions.data_ptr(),
         slots.data_ptr(), plan.block_size, tables.data_ptr(), tables.shape[1],
         len(meta.query_lens), q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(),
-        plan.scale, scratch.data_ptr(), torch.get_num_threads())
+        plan.scale, scratch.data_ptr(), int(activation_mode() == "q8"), torch.get_num_threads())
     if failed:
-        raise MemoryError("fused decode: the attention kernel could not allocate its buffer")
+        raise MemoryError("fused decode: the " + ("attention" if failed == 1 else "quantized matmul")
+                          + " kernel could not allocate its buffer")
     return x

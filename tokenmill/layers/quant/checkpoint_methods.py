@@ -191,8 +191,14 @@ class GGUFMethod(PackedLinearMethod):
 
     def process_weights_after_loading(self, layer):
         n, k = layer.out_features, layer.in_features
+        scales = layer.scales.data
         mins = layer.mins.data if self.kind == "i4" else None
-        set_packed(layer, [Packed(self.kind, layer.qweight.data, layer.scales.data, mins, 32, n, k)])
+        # The block fields are fp16 in the file: kept as float16 they are half the bytes the
+        # matmul streams per step, with the same values (checked: Q4_0's -8 d could overflow).
+        half = [t.half() for t in (scales, mins) if t is not None]
+        if all(torch.equal(h.float(), t) for h, t in zip(half, (scales, mins))):
+            scales, mins = half[0], (half[1] if mins is not None else None)
+        set_packed(layer, [Packed(self.kind, layer.qweight.data, scales, mins, 32, n, k)])
 
 
 def method_for(spec, module_name: str, layer: nn.Module, sources: list[str]):

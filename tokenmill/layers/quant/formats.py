@@ -21,7 +21,8 @@ FP8_MAX = 448.0   # largest finite float8_e4m3fn
 class Packed:
     """One quantized [N, K] weight ready for the matmul. ``kind`` is "i8", "i4" or "f8";
     ``qweight``: int8 [N, K] (i8), uint8 [N, K/2] (i4), uint8 bytes of e4m3 [N, K] (f8);
-    ``scales`` / ``mins``: float32 [N, K/G]; ``perm``: optional int64 [K] input-column order
+    ``scales`` / ``mins``: float32 [N, K/G], or float16 for i8 / i4 when they are a
+    checkpoint's own fp16 values (GGUF blocks: half the bytes, exact); ``perm``: optional int64 [K] input-column order
     (GPTQ act-order: columns are stored sorted by group)."""
 
     kind: str
@@ -90,9 +91,9 @@ def dequantize_stored(p: Packed) -> torch.Tensor:
         raise ValueError(f"unknown packed kind {p.kind!r}")
     n, k = values.shape
     groups = values.view(n, k // p.group_size, p.group_size)   # broadcast, no repeat copies
-    w = groups * p.scales.unsqueeze(2)
+    w = groups * p.scales.float().unsqueeze(2)
     if p.mins is not None:
-        w += p.mins.unsqueeze(2)
+        w += p.mins.float().unsqueeze(2)
     return w.view(n, k)
 
 

@@ -20,6 +20,12 @@ from typing import Optional
 import torch
 
 KIND_I8, KIND_I4, KIND_F8 = 0, 1, 2
+KIND_HALF = 8   # flag (i8 / i4): scales and mins are float16
+
+
+def kind_code(kind: int, scales: torch.Tensor) -> int:
+    """The C kind of a weight whose scales have this dtype."""
+    return kind | KIND_HALF if scales.dtype is torch.float16 else kind
 _SOURCE = os.path.join(os.path.dirname(__file__), "qmm.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 _DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tokenmill", "kernels")
@@ -117,11 +123,12 @@ def available() -> bool:
 def qmm(x: torch.Tensor, kind: int, w: torch.Tensor, scales: torch.Tensor,
         mins: Optional[torch.Tensor], group_size: int, n: int) -> torch.Tensor:
     """x [M, K] float32 contiguous -> [M, N]; w [N, K] int8/uint8 or [N, K/2] uint8;
-    scales / mins [N, K/group_size] float32 contiguous. The caller checks availability."""
+    scales / mins [N, K/group_size] float32 (or float16, i8 / i4), contiguous. The caller
+    checks availability."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
     _lib.tm_qmm(x.data_ptr(), m, k, w.data_ptr(), scales.data_ptr(),
-                mins.data_ptr() if mins is not None else None, group_size, n, kind,
+                mins.data_ptr() if mins is not None else None, group_size, n, kind_code(kind, scales),
                 y.data_ptr(), torch.get_num_threads())
     return y
 
@@ -133,7 +140,8 @@ def qmm_q8(x: torch.Tensor, kind: int, w: torch.Tensor, scales: torch.Tensor,
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
     if _lib.tm_qmm_q8(x.data_ptr(), m, k, w.data_ptr(), scales.data_ptr(),
-                      mins.data_ptr() if mins is not None else None, group_size, n, kind,
+                      mins.data_ptr() if mins is not None else None, group_size, n,
+                      kind_code(kind, scales),
                       y.data_ptr(), torch.get_num_threads()):
         raise MemoryError("quantized matmul could not allocate its activation buffer")
     return y
@@ -154,5 +162,5 @@ def dequant(kind: int, w: torch.Tensor, scales: torch.Tensor, mins: Optional[tor
     """float32 [N, K] in stored column order (same contract as ``qmm``)."""
     out = torch.empty(n, k, dtype=torch.float32)
     _lib.tm_dequant(w.data_ptr(), scales.data_ptr(), mins.data_ptr() if mins is not None else None,
-                    group_size, n, k, kind, out.data_ptr(), torch.get_num_threads())
+                    group_size, n, k, kind_code(kind, scales), out.data_ptr(), torch.get_num_threads())
     return out

@@ -52,6 +52,11 @@ def quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
 
 def kernel_applies(p: Packed) -> bool:
     g = p.group_size
+    half_ok = p.kind in ("i8", "i4") and (p.mins is None or p.mins.dtype is torch.float16)
+    if not (p.scales.dtype is torch.float32 or (p.scales.dtype is torch.float16 and half_ok)):
+        return False
+    if p.mins is not None and p.mins.dtype is not p.scales.dtype:
+        return False
     return (kernels.available() and g % _MIN_GROUP[p.kind] == 0 and p.in_features % g == 0
             and p.qweight.device.type == "cpu" and p.qweight.is_contiguous()
             and p.scales.is_contiguous() and (p.mins is None or p.mins.is_contiguous()))

@@ -15,6 +15,10 @@
  *        (GGUF's Q4_0 / Q4_1 layout, so those tensors repack by copying bytes)
  *   f8:  w = scale[n, g] * e4m3(q),        q the raw float8_e4m3fn byte
  * Rows of x are processed MB at a time so each converted weight vector feeds MB FMAs.
+ * kind | KIND_HALF (i8 / i4): scales and mins are float16 (a checkpoint's own fp16 values,
+ * e.g. GGUF's): half the bytes of float32 scales, and the same results since float16 ->
+ * float32 is exact. Their pointers are then typed float * but hold uint16 halves:
+ * row_at / at below are the only accessors.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -44,9 +48,19 @@ static inline __m256 load_f8(const uint8_t *p) {
 }
 
 #define INLINE static inline __attribute__((always_inline))
+#define KIND_HALF 8
+
+/* &p[i] and p[i] of a scale / min array, float32 or (kind & KIND_HALF) float16 */
+INLINE const float *row_at(const float *p, int64_t i, int kind) {
+    return (kind & KIND_HALF) ? (const float *)((const uint16_t *)p + i) : p + i;
+}
+INLINE float at(const float *p, int64_t i, int kind) {
+    return (kind & KIND_HALF) ? _cvtsh_ss(((const uint16_t *)p)[i]) : p[i];
+}
 
 /* Four weight vectors (32 values) of one row at column k, expanded to fp32. */
 INLINE void load32(const uint8_t *w, int64_t k, int kind, __m256 v[4]) {
+    kind &= 7;
     if (kind == 1) {   /* int4: 16 bytes, low nibbles = values 0..15, high = 16..31 */
         const __m128i low = _mm_set1_epi8(0x0F);
         __m128i b = _mm_loadu_si128((const __m128i *)(w + k / 2));
@@ -71,7 +85,7 @@ INLINE void row_dot(const float *x, int64_t ldx, const int mb, int64_t K, const 
     const int64_t ngroups = K / G;
     __m256 acc[4], part[4][4], v[4];
     float lin[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    const float fold = kind == 2 ? 256.0f : 1.0f;   /* see load_f8 */
+    const float fold = (kind & 7) == 2 ? 256.0f : 1.0f;   /* see load_f8 */
     for (int m = 0; m < mb; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < ngroups; g++) {
         for (int m = 0; m < mb; m++)
@@ -83,12 +97,12 @@ INLINE void row_dot(const float *x, int64_t ldx, const int mb, int64_t K, const 
                     part[m][j % chains] = _mm256_fmadd_ps(
                         _mm256_loadu_ps(x + m * ldx + k + 8 * j), v[j], part[m][j % chains]);
         }
-        __m256 s = _mm256_set1_ps(scale[g] * fold);
+        __m256 s = _mm256_set1_ps(at(scale, g, kind) * fold);
         for (int m = 0; m < mb; m++) {
             __m256 p = part[m][0];
             for (int c = 1; c < chains; c++) p = _mm256_add_ps(p, part[m][c]);
             acc[m] = _mm256_fmadd_ps(s, p, acc[m]);
-            if (kind == 1) lin[m] += mins[g] * xsum[m * ngroups + g];
+            if ((kind & 7) == 1) lin[m] += at(mins, g, kind) * xsum[m * ngroups + g];
         }
     }
     for (int m = 0; m < mb; m++) out[m] = hsum(acc[m]) + lin[m];
@@ -118,12 +132,13 @@ static void group_sums(const float *x, int64_t M, int64_t K, int64_t G, float *x
         for (int m = 0; m < mb; m++) y[(m0 + m) * N + n] = out[m];                           \
     }
 
-/* kind: 0 = i8, 1 = i4, 2 = f8. w points at row 0; row n starts at w + n * row_bytes. */
+/* kind: 0 = i8, 1 = i4, 2 = f8, each | KIND_HALF for float16 scales (i8 / i4). w points at
+ * row 0; row n starts at w + n * row_bytes. */
 void tm_qmm(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale,
             const float *mins, int64_t G, int64_t N, int kind, float *y, int nthreads) {
-    int64_t ngroups = K / G, row_bytes = kind == 1 ? K / 2 : K;
+    int64_t ngroups = K / G, row_bytes = (kind & 7) == 1 ? K / 2 : K;
     float *xsum = NULL;
-    if (kind == 1) {  /* per-group sums of x carry the affine (min) term of int4 */
+    if ((kind & 7) == 1) {  /* per-group sums of x carry the affine (min) term of int4 */
         xsum = (float *)malloc(sizeof(float) * (size_t)(M * ngroups));
         group_sums(x, M, K, G, xsum);
     }
@@ -131,8 +146,15 @@ void tm_qmm(const float *x, int64_t M, int64_t K, const uint8_t *w, const float 
     for (int64_t n = 0; n < N; n++) {
         float out[MB];
         const uint8_t *wr = w + n * row_bytes;
-        const float *sr = scale + n * ngroups, *mr = mins ? mins + n * ngroups : NULL;
-        if (kind == 0) { ROWS(0) } else if (kind == 1) { ROWS(1) } else { ROWS(2) }
+        const float *sr = row_at(scale, n * ngroups, kind);
+        const float *mr = mins ? row_at(mins, n * ngroups, kind) : NULL;
+        switch (kind) {
+            case 0: { ROWS(0) } break;
+            case 1: { ROWS(1) } break;
+            case KIND_HALF: { ROWS(KIND_HALF) } break;
+            case KIND_HALF | 1: { ROWS(KIND_HALF | 1) } break;
+            default: { ROWS(2) }
+        }
     }
     free(xsum);
 }
@@ -141,15 +163,15 @@ void tm_qmm(const float *x, int64_t M, int64_t K, const uint8_t *w, const float 
  * BLAS GEMM: one pass, no temporaries. */
 void tm_dequant(const uint8_t *w, const float *scale, const float *mins, int64_t G, int64_t N,
                 int64_t K, int kind, float *out, int nthreads) {
-    int64_t ngroups = K / G, row_bytes = kind == 1 ? K / 2 : K;
-    const float fold = kind == 2 ? 256.0f : 1.0f;
+    int64_t ngroups = K / G, row_bytes = (kind & 7) == 1 ? K / 2 : K;
+    const float fold = (kind & 7) == 2 ? 256.0f : 1.0f;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t n = 0; n < N; n++) {
         __m256 v[4];
         for (int64_t k = 0; k < K; k += 32) {
             int64_t g = n * ngroups + k / G;
-            __m256 s = _mm256_set1_ps(scale[g] * fold);
-            __m256 m = _mm256_set1_ps(kind == 1 ? mins[g] : 0.0f);
+            __m256 s = _mm256_set1_ps(at(scale, g, kind) * fold);
+            __m256 m = _mm256_set1_ps((kind & 7) == 1 ? at(mins, g, kind) : 0.0f);
             load32(w + n * row_bytes, k, kind, v);
             for (int j = 0; j < 4; j++)
                 _mm256_storeu_ps(out + n * K + k + 8 * j, _mm256_fmadd_ps(v[j], s, m));
@@ -162,7 +184,7 @@ void tm_dequant(const uint8_t *w, const float *scale, const float *mins, int64_t
  * Q8_0 scheme llama.cpp uses for its quantized matmuls); each 32-value product of weights
  * and activations is then one vpmaddubsw + vpmaddwd in exact integer arithmetic, about a
  * quarter of the instructions of expanding weights to fp32. The int4 affine term uses the
- * exact fp32 group sums of x. Only kinds 0 (i8) and 1 (i4), G a multiple of 32. */
+ * exact fp32 group sums of x. Only kinds 0 (i8) and 1 (i4) (| KIND_HALF), G a multiple of 32. */
 void tm_quantize_q8(const float *x, int64_t M, int64_t K, int8_t *qx, float *dx) {
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < K / 32; b++) {
@@ -190,7 +212,7 @@ void tm_quantize_q8(const float *x, int64_t M, int64_t K, int8_t *qx, float *dx)
 }
 
 INLINE __m256i load_w32(const uint8_t *w, int64_t k, int kind) {
-    if (kind == 1) {   /* 16 bytes -> 32 values 0..15 in order (low nibbles first) */
+    if ((kind & 7) == 1) {   /* 16 bytes -> 32 values 0..15 in order (low nibbles first) */
         __m128i b = _mm_loadu_si128((const __m128i *)(w + k / 2));
         const __m128i low = _mm_set1_epi8(0x0F);
         return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
@@ -198,65 +220,111 @@ INLINE __m256i load_w32(const uint8_t *w, int64_t k, int kind) {
     return _mm256_loadu_si256((const __m256i *)(w + k));
 }
 
-INLINE void row_dot_q8(const int8_t *qx, const float *dx, const int mb, int64_t K,
-                       const uint8_t *w, const float *scale, const float *mins, int64_t G,
-                       int kind, const float *xsum, float *out) {
-    const int64_t ngroups = K / G, nb = K / 32;
+/* R weight rows (n .. n+R-1) against mb rows of quantized x: mb * R independent
+ * accumulator chains, and each activation block loaded once feeds R rows. Every 32-value
+ * block adds (integer dot) * (dx * scale) to its chain; the int4 affine term min * sum(x)
+ * is added per group at the end. out[m * R + r]. */
+INLINE void tile_q8(const int8_t *qx, const float *dx, const int mb, const int R, int64_t K,
+                    const uint8_t *w, int64_t row_bytes, const float *scale, const float *mins,
+                    int64_t G, int kind, const float *xsum, float *out) {
+    const int64_t ngroups = K / G, nb = K / 32, per_group = G / 32;
+    const int i4 = (kind & 7) == 1;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[4];
-    float lin[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int m = 0; m < mb; m++) acc[m] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < ngroups; g++) {
-        __m256 part[4];
-        for (int m = 0; m < mb; m++) part[m] = _mm256_setzero_ps();
-        for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
-            __m256i wv = load_w32(w, k, kind);
-            __m256i wu = kind == 1 ? wv : _mm256_sign_epi8(wv, wv);   /* unsigned operand */
+    __m256 acc[4][4];
+    for (int m = 0; m < mb; m++)
+        for (int r = 0; r < R; r++) acc[m][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t k = b * 32, g = b / per_group;
+        __m256i xv[4];
+        for (int m = 0; m < mb; m++) xv[m] = _mm256_loadu_si256((const __m256i *)(qx + m * K + k));
+        if ((k & (i4 ? 127 : 63)) == 0)   /* each 64-byte line of the next rows once */
+            for (int r = 0; r < R; r++)
+                _mm_prefetch((const char *)(w + (r + R) * row_bytes + (i4 ? k / 2 : k)), _MM_HINT_T0);
+        for (int r = 0; r < R; r++) {
+            __m256i wv = load_w32(w + r * row_bytes, k, kind);
+            __m256i wu = i4 ? wv : _mm256_sign_epi8(wv, wv);   /* unsigned operand */
+            const float sc = at(scale, r * ngroups + g, kind);
             for (int m = 0; m < mb; m++) {
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + m * K + k));
-                if (kind != 1) xv = _mm256_sign_epi8(xv, wv);
-                __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, xv), ones);
-                part[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
-                                          _mm256_set1_ps(dx[m * nb + k / 32]), part[m]);
+                __m256i x = i4 ? xv[m] : _mm256_sign_epi8(xv[m], wv);
+                __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), ones);
+                acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                            _mm256_set1_ps(sc * dx[m * nb + b]), acc[m][r]);
             }
         }
-        __m256 s = _mm256_set1_ps(scale[g]);
-        for (int m = 0; m < mb; m++) {
-            acc[m] = _mm256_fmadd_ps(s, part[m], acc[m]);
-            if (kind == 1) lin[m] += mins[g] * xsum[m * ngroups + g];
-        }
     }
-    for (int m = 0; m < mb; m++) out[m] = hsum(acc[m]) + lin[m];
+    for (int m = 0; m < mb; m++)
+        for (int r = 0; r < R; r++) {
+            float lin = 0.0f;
+            if (i4)
+                for (int64_t g = 0; g < ngroups; g++)
+                    lin += at(mins, r * ngroups + g, kind) * xsum[m * ngroups + g];
+            out[m * R + r] = hsum(acc[m][r]) + lin;
+        }
 }
 
-#define ROWS_Q8(KIND)                                                                       \
+/* Rows of x four (then 2, 3 or 1) at a time against R weight rows; R * mb <= 8 chains. */
+#define TILE_Q8(KIND, R)                                                                    \
     for (int64_t m0 = 0; m0 < M; m0 += MB) {                                                 \
         int mb = M - m0 < MB ? (int)(M - m0) : MB;                                          \
         const int8_t *q0 = qx + m0 * K;                                                     \
         const float *d0 = dx + m0 * nb, *xs = xsum ? xsum + m0 * ngroups : NULL;            \
-        if (mb == 4) row_dot_q8(q0, d0, 4, K, wr, sr, mr, G, KIND, xs, out);                \
-        else if (mb == 3) row_dot_q8(q0, d0, 3, K, wr, sr, mr, G, KIND, xs, out);           \
-        else if (mb == 2) row_dot_q8(q0, d0, 2, K, wr, sr, mr, G, KIND, xs, out);           \
-        else row_dot_q8(q0, d0, 1, K, wr, sr, mr, G, KIND, xs, out);                        \
-        for (int m = 0; m < mb; m++) y[(m0 + m) * N + n] = out[m];                           \
+        if (mb == 4) tile_q8(q0, d0, 4, R > 2 ? 2 : R, K, wr, row_bytes, sr, mr, G, KIND, xs, out); \
+        else if (mb == 3) tile_q8(q0, d0, 3, R > 2 ? 2 : R, K, wr, row_bytes, sr, mr, G, KIND, xs, out); \
+        else if (mb == 2) tile_q8(q0, d0, 2, R, K, wr, row_bytes, sr, mr, G, KIND, xs, out); \
+        else tile_q8(q0, d0, 1, R, K, wr, row_bytes, sr, mr, G, KIND, xs, out);           \
+        if (mb >= 3 && R > 2) {   /* the other two weight rows of the tile */              \
+            tile_q8(q0, d0, mb, 2, K, wr + 2 * row_bytes, row_bytes, row_at(sr, 2 * ngroups, KIND), \
+                    mr ? row_at(mr, 2 * ngroups, KIND) : NULL, G, KIND, xs, out + 2 * mb);  \
+            for (int m = 0; m < mb; m++)                                                     \
+                for (int r = 0; r < 4; r++)                                                  \
+                    y[(m0 + m) * N + n + r] = out[r < 2 ? m * 2 + r : 2 * mb + m * 2 + r - 2]; \
+        } else {                                                                             \
+            const int rr = mb >= 3 && R > 2 ? 2 : R;                                        \
+            for (int m = 0; m < mb; m++)                                                     \
+                for (int r = 0; r < rr; r++) y[(m0 + m) * N + n + r] = out[m * rr + r];     \
+        }                                                                                    \
     }
 
 /* Returns nonzero when a buffer could not be allocated (y untouched). */
 int tm_qmm_q8(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale,
               const float *mins, int64_t G, int64_t N, int kind, float *y, int nthreads) {
-    const int64_t ngroups = K / G, nb = K / 32, row_bytes = kind == 1 ? K / 2 : K;
+    const int64_t ngroups = K / G, nb = K / 32, row_bytes = (kind & 7) == 1 ? K / 2 : K;
+    const int i4 = (kind & 7) == 1;
     int8_t *qx = (int8_t *)malloc((size_t)(M * K));
     float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
-    float *xsum = kind == 1 ? (float *)malloc(sizeof(float) * (size_t)(M * ngroups)) : NULL;
-    if (!qx || !dx || (kind == 1 && !xsum)) { free(qx); free(dx); free(xsum); return 1; }
+    float *xsum = i4 ? (float *)malloc(sizeof(float) * (size_t)(M * ngroups)) : NULL;
+    if (!qx || !dx || (i4 && !xsum)) { free(qx); free(dx); free(xsum); return 1; }
     tm_quantize_q8(x, M, K, qx, dx);
-    if (kind == 1) group_sums(x, M, K, G, xsum);
+    if (i4) group_sums(x, M, K, G, xsum);
+    const int64_t tiles = (N + 3) / 4;   /* four weight rows per task; the last may be short */
     #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t n = 0; n < N; n++) {
-        float out[MB];
+    for (int64_t t = 0; t < tiles; t++) {
+        float out[4 * MB];
+        const int64_t n = 4 * t;
         const uint8_t *wr = w + n * row_bytes;
-        const float *sr = scale + n * ngroups, *mr = mins ? mins + n * ngroups : NULL;
-        if (kind == 0) { ROWS_Q8(0) } else { ROWS_Q8(1) }
+        const float *sr = row_at(scale, n * ngroups, kind);
+        const float *mr = mins ? row_at(mins, n * ngroups, kind) : NULL;
+        if (N - n >= 4) {
+            switch (kind) {
+                case 0: { TILE_Q8(0, 4) } break;
+                case 1: { TILE_Q8(1, 4) } break;
+                case KIND_HALF: { TILE_Q8(KIND_HALF, 4) } break;
+                default: { TILE_Q8(KIND_HALF | 1, 4) }
+            }
+        } else {
+            for (int64_t n1 = n; n1 < N; n1++) {   /* one row at a time */
+                const int64_t n = n1;
+                const uint8_t *wr = w + n * row_bytes;
+                const float *sr = row_at(scale, n * ngroups, kind);
+                const float *mr = mins ? row_at(mins, n * ngroups, kind) : NULL;
+                switch (kind) {
+                    case 0: { TILE_Q8(0, 1) } break;
+                    case 1: { TILE_Q8(1, 1) } break;
+                    case KIND_HALF: { TILE_Q8(KIND_HALF, 1) } break;
+                    default: { TILE_Q8(KIND_HALF | 1, 1) }
+                }
+            }
+        }
     }
     free(qx); free(dx); free(xsum);
     return 0;
