@@ -24,10 +24,16 @@ class ModelConfig:
     # Weight quantization: None, "int8", "int4" / "int4-g32|g64|g128", "fp8" (online RTN), or
     # "gguf" (keep GGUF Q8_0/Q4_0/Q4_1 packed). GPTQ / AWQ / FP8 checkpoints need none.
     quantization: Optional[str] = None
+    # Activations of int8 / int4 weight matmuls on decode-sized steps: "fp32" (exact up to
+    # summation order) or "q8" (rounded to int8 per 32 values for integer dot products, as
+    # llama.cpp does: faster, small accuracy cost). None: TOKENMILL_QMM_ACTIVATIONS or fp32.
+    quant_activations: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ValueError(f"quantization must be a string or None, got {self.quantization!r}")
+        if self.quant_activations not in (None, "fp32", "q8"):
+            raise ValueError(f"quant_activations must be 'fp32' or 'q8', got {self.quant_activations!r}")
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty name or path")
         if self.dtype not in _DTYPES:

@@ -30,6 +30,27 @@ def test_goals_are_ratios_of_ok_rows():
     assert by_goal["gguf batch-1 decode vs llama.cpp on the same file"]["met"] is None
 
 
+def test_llamacpp_gguf_is_compared_with_the_q8_activation_row():
+    """llama.cpp rounds activations to 8 bits on a quantized file: its counterpart is
+    tokenmill's gguf-q8 row when there is one, else the gguf row."""
+    from tokenmill.bench.compare import add_comparisons
+
+    def row(engine, precision, decode):
+        return {"engine": engine, "precision": precision, "name": f"{engine} {precision}",
+                "status": "ok", "decode_tok_s": decode, "prefill_tok_s": 100.0,
+                "throughput_tok_s": 50.0, "peak_rss_bytes": 2**30, "output_token_ids": [[1, 2]]}
+    rows = [row("tokenmill", "fp32", 20.0), row("tokenmill", "gguf", 40.0),
+            row("tokenmill", "gguf-q8", 60.0), row("llama.cpp", "gguf", 50.0)]
+    add_comparisons(rows, 2, 10.0, 16)
+    assert rows[3]["tokenmill_vs"]["against"] == "tokenmill gguf-q8"
+    assert rows[3]["tokenmill_vs"]["decode"] == 1.2
+    by_goal = {g["goal"]: g for g in goals(rows)}
+    assert by_goal["tokenmill gguf-q8 batch-1 decode vs llama.cpp on the same file"]["value"] == 1.2
+    del rows[2]
+    add_comparisons(rows, 2, 10.0, 16)
+    assert rows[2]["tokenmill_vs"]["against"] == "tokenmill gguf"
+
+
 def test_peer_names():
     assert canonical("llamacpp") == "llama.cpp" and canonical("HF") == "transformers"
     with pytest.raises(ValueError):

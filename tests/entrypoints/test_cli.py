@@ -56,3 +56,27 @@ def test_help_everywhere():
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 0
+
+
+def test_engine_flags_reach_the_engine(tiny_llama_dir, capsys, monkeypatch):
+    """--quantization / --quant-activations / speculative flags are engine options on every
+    command (serve no longer refuses them); bad values are clear errors."""
+    from tokenmill.entrypoints.cli import _make_llm, build_parser
+    from tokenmill.entrypoints.openai.cli_serve import _check_args, unimplemented_flags
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--model", tiny_llama_dir, "--quantization", "int4-g32",
+                              "--quant-activations", "q8", "--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert unimplemented_flags(args) == [] and _check_args(args) is None
+    from tokenmill.entrypoints import llm as llm_module
+    real = llm_module.LLM
+    monkeypatch.setattr(llm_module, "LLM", lambda **kw: real(**kw, skip_tokenizer_init=True))
+    engine = _make_llm(args).engine   # (the tiny checkpoint has no tokenizer)
+    down = engine.model.model.layers[0].mlp.down_proj
+    assert down.packed[0].kind == "i4" and down.quant_method.activations == "q8"
+    assert engine.config.speculative.num_speculative_tokens == 3
+    assert "not valid JSON" in _check_args(parser.parse_args(["serve", "--speculative-config", "{nope"]))
+    assert unimplemented_flags(parser.parse_args(["serve", "--tensor-parallel-size", "2"])) == [
+        "--tensor-parallel-size 2"]
+    assert main(["generate", "--model", tiny_llama_dir, "--quantization", "int3", "x"]) == 2
+    assert "unknown quantization 'int3'" in capsys.readouterr().err

@@ -89,6 +89,31 @@ def test_q8_activation_kernel_stays_close_to_float_activations(tiny_llama_dir, s
     assert max(gaps) < 0.25
 
 
+def test_quant_activations_option_is_per_engine(tiny_llama_dir):
+    """``quant_activations="q8"`` on one engine computes what the process-wide q8 mode does,
+    and leaves other engines (and the process default) on float activations."""
+    from tokenmill.layers.quant.matmul import activation_mode, set_activation_mode
+    default = activation_mode()
+    q8_engine = LLM(model=tiny_llama_dir, quantization="int4-g32", skip_tokenizer_init=True,
+                    num_kv_blocks=64, quant_activations="q8", enable_prefix_caching=False)
+    per_engine = _run(q8_engine)
+    plain = _run(_llm(tiny_llama_dir, "int4-g32"))
+    assert activation_mode() == default
+    try:
+        set_activation_mode("q8")
+        process_wide = _run(_llm(tiny_llama_dir, "int4-g32"))
+        set_activation_mode("fp32")
+        assert _run(q8_engine) == per_engine   # the engine's own setting wins (no cached
+        # prefix: a cache hit would turn the last prompt token into a decode-sized step)
+    finally:
+        set_activation_mode(default)
+    lp = [[{t: v.logprob for t, v in pos.items()} for pos in o.logprobs] for o in per_engine]
+    assert lp == [[{t: v.logprob for t, v in pos.items()} for pos in o.logprobs] for o in process_wide]
+    assert lp != [[{t: v.logprob for t, v in pos.items()} for pos in o.logprobs] for o in plain]
+    with pytest.raises(ValueError, match="quant_activations"):
+        LLM(model=tiny_llama_dir, skip_tokenizer_init=True, quant_activations="int4")
+
+
 class _FakeStats:
     """Calibration statistics from random correlated inputs (no tokenizer / data needed)."""
 

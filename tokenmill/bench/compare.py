@@ -11,12 +11,14 @@ read by the process itself); every engine is timed by the same routine on the sa
   fp32's (mean_agreeing_prefix: the mean fraction of tokens before the first difference);
 - peak_rss_bytes: the engine process's peak resident memory.
 
-Rows state their precision: tokenmill "fp32" (GGUF dequantized to float32) and "gguf" (GGUF
-blocks kept packed); transformers fp32 (the GGUF dequantized by transformers); llama.cpp "gguf"
-(the original file, e.g. Q4_1) and "fp32" (an F32 GGUF written once from the same
-dequantized tensors, cached next to the model). A missing peer is a row saying so, never an
-error. Peers are optional: pip install 'tokenmill[peers]', with llama-cpp-python built for this
-CPU: CMAKE_ARGS="-DGGML_NATIVE=ON" pip install 'tokenmill[peers]'.
+Rows state their precision: tokenmill "fp32" (GGUF dequantized to float32), "gguf" (GGUF
+blocks kept packed, float activations) and "gguf-q8" (the same blocks, activations rounded to
+int8 per 32 values for integer dot products: llama.cpp's own scheme, so the like-for-like row
+against llama.cpp on the same file); transformers fp32 (the GGUF dequantized by
+transformers); llama.cpp "gguf" (the original file, e.g. Q4_1) and "fp32" (an F32 GGUF
+written once from the same dequantized tensors, cached next to the model). A missing peer is
+a row saying so, never an error. Peers are optional: pip install 'tokenmill[peers]', with
+llama-cpp-python built for this CPU: CMAKE_ARGS="-DGGML_NATIVE=ON" pip install 'tokenmill[peers]'.
 
     tokenmill bench compare --model smollm2-135m --peers transformers,llama.cpp,vllm \\
         --num-prompts 64 --output-len 128 --num-threads 2 --json compare.json
@@ -48,7 +50,8 @@ def add_parser(sub) -> None:
     p.add_argument("--peers", default="transformers,llama.cpp,vllm",
                    help="comma list of transformers, llama.cpp, vllm ('' for tokenmill alone)")
     p.add_argument("--precisions", default="auto",
-                   help="tokenmill rows: fp32,gguf (auto: both for a .gguf model, else fp32)")
+                   help="tokenmill rows: fp32,gguf,gguf-q8 (auto: all three for a .gguf model, "
+                        "else fp32)")
     p.add_argument("--llamacpp-precisions", default="gguf,fp32",
                    help="llama.cpp rows: gguf (the model's own file), fp32 (an F32 copy)")
     p.add_argument("--dataset", choices=["sharegpt", "random"], default="sharegpt")
@@ -100,10 +103,11 @@ def plan_rows(path: str, args) -> list[dict]:
     """[{"engine", "precision", "skip" (reason or None), ...spec extras}] in run order."""
     from tokenmill.bench.peers import canonical, missing_reason
     is_gguf = path.endswith(".gguf")
-    precisions = (["fp32", "gguf"] if is_gguf else ["fp32"]) if args.precisions == "auto" \
+    precisions = (["fp32", "gguf", "gguf-q8"] if is_gguf else ["fp32"]) if args.precisions == "auto" \
         else [p.strip() for p in args.precisions.split(",") if p.strip()]
     rows = [{"engine": "tokenmill", "precision": p,
-             "skip": None if p != "gguf" or is_gguf else "needs a .gguf model"} for p in precisions]
+             "skip": None if not p.startswith("gguf") or is_gguf else "needs a .gguf model"}
+            for p in precisions]
     for name in [canonical(n) for n in args.peers.split(",") if n.strip()]:
         missing = missing_reason(name)
         if name == "llama.cpp":
@@ -176,7 +180,8 @@ def add_comparisons(rows: list[dict], output_len: int, bandwidth_gbps: float,
             r["decode_floor_tok_s"] = round(bandwidth_gbps * 1e9 / step_bytes, 1)
             r["decode_x_floor"] = round(r["decode_floor_tok_s"] / r["decode_tok_s"], 2)
             continue
-        tm = by.get(("tokenmill", r["precision"])) if _ok(by.get(("tokenmill", r["precision"]))) else ref
+        tm = next((by[("tokenmill", p)] for p in _LIKE_FOR_LIKE.get(r["precision"], (r["precision"],))
+                   if _ok(by.get(("tokenmill", p)))), ref)
         if tm is None:
             continue
         r["tokenmill_vs"] = {"against": tm["name"],
@@ -185,10 +190,16 @@ def add_comparisons(rows: list[dict], output_len: int, bandwidth_gbps: float,
                              "peak_rss": round(tm["peak_rss_bytes"] / r["peak_rss_bytes"], 2)}
 
 
+# a peer row's tokenmill counterpart, first present wins: llama.cpp on a GGUF rounds
+# activations to 8 bits, as tokenmill's gguf-q8 row does
+_LIKE_FOR_LIKE = {"gguf": ("gguf-q8", "gguf")}
+
+
 def goals(rows: list[dict]) -> list[dict]:
     """The issue's targets, computed from this run's rows (None where a row is missing)."""
     by = {(r["engine"], r["precision"]): r for r in rows if _ok(r)}
-    tm32, tmq = by.get(("tokenmill", "fp32")), by.get(("tokenmill", "gguf"))
+    tm32 = by.get(("tokenmill", "fp32"))
+    tmq = next((by[("tokenmill", p)] for p in _LIKE_FOR_LIKE["gguf"] if ("tokenmill", p) in by), None)
     hf, lcq = by.get(("transformers", "fp32")), by.get(("llama.cpp", "gguf"))
     def best(engine: str) -> Optional[float]:
         return max((r["throughput_tok_s"] for (e, _), r in by.items() if e == engine), default=None)
@@ -202,7 +213,8 @@ def goals(rows: list[dict]) -> list[dict]:
            ("fp32 prefill vs transformers fp32", ratio(tm32, hf, "prefill_tok_s"), 1.0, ">="),
            ("offline throughput, best tokenmill vs best llama.cpp",
             round(tm_best / lc_best, 2) if tm_best and lc_best else None, 1.5, ">="),
-           ("gguf batch-1 decode vs llama.cpp on the same file", ratio(tmq, lcq, "decode_tok_s"), 1.0, ">=")]
+           (f"{tmq['name'] if tmq else 'gguf'} batch-1 decode vs llama.cpp on the same file",
+            ratio(tmq, lcq, "decode_tok_s"), 1.0, ">=")]
     return [{"goal": g, "value": v, "target": f"{op} {t}",
              "met": None if v is None else (v >= t if op == ">=" else v <= t)} for g, v, t, op in out]
 

@@ -38,7 +38,8 @@ class LLMEngine:
         self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(self.model_path)
         torch.manual_seed(mc.seed)
         self.model = build_model(checkpoint, self.device, self.dtype, self.max_model_len,
-                                 quantization=mc.quantization)
+                                 quantization=mc.quantization,
+                                 quant_activations=mc.quant_activations)
         self.weight_bytes = sum(p.numel() * p.element_size()
                                 for p in {id(p): p for p in self.model.parameters()}.values())
         a = self.model.args

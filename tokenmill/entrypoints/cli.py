@@ -33,6 +33,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--quantization", default=None,
+                   help="weights: int8, int4, int4-g32|g64|g128, fp8 (online RTN) or gguf (keep a "
+                        "GGUF's Q8_0 / Q4_0 / Q4_1 blocks packed); GPTQ / AWQ / FP8 checkpoints need none")
+    g.add_argument("--quant-activations", default=None, choices=["fp32", "q8"],
+                   help="activations of int8 / int4 weight matmuls when decoding: fp32 (exact, "
+                        "default) or q8 (int8 per 32 values, integer dot products as llama.cpp: faster)")
+    g.add_argument("--speculative-config", default=None,
+                   help='speculative decoding, JSON: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    g.add_argument("--speculative-model", default=None, help="draft model, or [ngram] for prompt lookup")
+    g.add_argument("--num-speculative-tokens", type=int, default=None)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -55,7 +65,20 @@ def _make_llm(args):
                gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens,
                enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-               num_threads=args.num_threads, cache_dir=_default_cache_dir())
+               num_threads=args.num_threads, cache_dir=_default_cache_dir(),
+               quantization=args.quantization, quant_activations=args.quant_activations,
+               speculative_config=_json_arg("--speculative-config", args.speculative_config),
+               speculative_model=args.speculative_model,
+               num_speculative_tokens=args.num_speculative_tokens)
+
+
+def _json_arg(flag: str, text):
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} is not valid JSON ({e})") from None
 
 
 def _sampling_params(args):

@@ -86,6 +86,15 @@ class _StackPlan:
                                 dtype=torch.int64)
         self.linears = torch.tensor([v for _, desc, _ in descs for v in desc], dtype=torch.int64)
         self._caches: list = []
+        self.packed_methods = list({id(lin.quant_method): lin.quant_method
+                                    for lin, _, pin in descs if isinstance(pin, list)}.values())
+
+    def activations(self) -> Optional[str]:
+        """"q8" / "fp32": what every packed linear takes now; None if they differ."""
+        from tokenmill.layers.quant.matmul import activation_mode
+        default = activation_mode()
+        modes = {m.activations or default for m in self.packed_methods}
+        return modes.pop() if len(modes) == 1 else (default if not modes else None)
 
     def usable(self) -> bool:
         """Same weights as when planned and no hooks that eager mode would run."""
@@ -171,12 +180,14 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
             and cpu_ops.active() and _fp32_cpu(x) and positions.dtype is torch.int64):
         return None
     from tokenmill.layers.attention.cpu import MAX_BATCHED_QUERY_LEN
-    from tokenmill.layers.quant.matmul import activation_mode
     if meta.max_query_len > MAX_BATCHED_QUERY_LEN:
         return None   # the module path attends to longer runs with SDPA: not the same numerics
     plan = stack_plan(model)
     if plan is None or len(kv_caches) != plan.num_layers or not plan.usable():
         return None
+    activations = plan.activations()
+    if activations is None:
+        return None   # layers set to different activation modes: the modules run them
     caches = plan.cache_ptrs(kv_caches)
     if caches is None:
         return None
@@ -202,7 +213,7 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
         plan.rotary.cos.data_ptr(), plan.rotary.sin.data_ptr(), positions.data_ptr(),
         slots.data_ptr(), plan.block_size, tables.data_ptr(), tables.shape[1],
         len(meta.query_lens), q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(),
-        plan.scale, scratch.data_ptr(), int(activation_mode() == "q8"), torch.get_num_threads())
+        plan.scale, scratch.data_ptr(), int(activations == "q8"), torch.get_num_threads())
     if failed:
         raise MemoryError("fused decode: the " + ("attention" if failed == 1 else "quantized matmul")
                           + " kernel could not allocate its buffer")

@@ -8,14 +8,17 @@ import torch
 from tokenmill.layers.quant import (attach_quantization, checkpoint_tensors,
                                     process_weights_after_loading, resolve_quant_spec)
 from tokenmill.layers.quant.embedding import share_packed_head_with_embedding
+from tokenmill.layers.quant.methods import PackedLinearMethod
 from tokenmill.models.registry import model_class
 from tokenmill.models.weights import load_weights
 
 
 def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
-                max_model_len: int, quantization: Optional[str] = None) -> torch.nn.Module:
+                max_model_len: int, quantization: Optional[str] = None,
+                quant_activations: Optional[str] = None) -> torch.nn.Module:
     """``quantization``: None / "int8" / "int4[-gN]" / "fp8" / "gguf"; a quantized
-    checkpoint (GPTQ, AWQ, FP8 config) brings its own scheme."""
+    checkpoint (GPTQ, AWQ, FP8 config) brings its own scheme. ``quant_activations``: "fp32"
+    / "q8" for the packed linears' decode matmuls (None: the process default)."""
     cfg = dict(checkpoint.hf_config)
     # RoPE tables only need to cover the context we serve.
     cfg["max_position_embeddings"] = max(max_model_len, 1)
@@ -28,6 +31,10 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     model.to(dtype=dtype)
     process_weights_after_loading(model)      # strategies repack what they loaded
     share_packed_head_with_embedding(model)   # tied: no float copy of a packed head
+    if quant_activations is not None:
+        for m in model.modules():
+            if isinstance(getattr(m, "quant_method", None), PackedLinearMethod):
+                m.quant_method.activations = quant_activations
     model.quantization_method = spec.method   # what runs (a checkpoint's own scheme too)
     model.eval()
     return model

@@ -1,5 +1,6 @@
 """tokenmill itself, as `bench compare` measures it: precision "fp32" (weights dequantized
-to float32) or "gguf" (the GGUF's quantized blocks kept packed). Prefix caching is off so a
+to float32), "gguf" (the GGUF's quantized blocks kept packed) or "gguf-q8" (kept packed,
+decode activations rounded to int8 for integer dot products, as llama.cpp does). Prefix caching is off so a
 repeated run never reuses the previous run's prompts (the other engines cannot); the KV pool
 holds exactly the parallel sequences' need, as llama.cpp's context is sized."""
 from __future__ import annotations
@@ -14,11 +15,13 @@ class TokenmillEngine:
         import tokenmill
         from tokenmill import LLM
         precision = spec["precision"]
-        if precision not in ("fp32", "gguf"):
-            raise ValueError(f"tokenmill precision must be fp32 or gguf, got {precision!r}")
+        if precision not in ("fp32", "gguf", "gguf-q8"):
+            raise ValueError(f"tokenmill precision must be fp32, gguf or gguf-q8, got {precision!r}")
         max_len = spec["max_seq_len"]
         blocks_per_seq = -(-max_len // BLOCK_SIZE)
-        self.llm = LLM(model=spec["model_path"], quantization="gguf" if precision == "gguf" else None,
+        self.llm = LLM(model=spec["model_path"],
+                       quantization="gguf" if precision.startswith("gguf") else None,
+                       quant_activations="q8" if precision == "gguf-q8" else None,
                        num_threads=spec["num_threads"], skip_tokenizer_init=True,
                        max_model_len=max_len, max_num_seqs=spec["max_num_seqs"],
                        max_num_batched_tokens=max(2048, spec["prefill_len"] + 1),

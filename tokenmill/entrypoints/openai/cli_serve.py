@@ -18,10 +18,6 @@ import uvicorn
 # Flags users type from vLLM habits for features tokenmill does not have yet. Each is accepted
 # and, when given a non-default value, stops the server with a clear message (never ignored).
 _NOT_YET = {
-    "speculative_config": ("--speculative-config", None),
-    "speculative_model": ("--speculative-model", None),
-    "num_speculative_tokens": ("--num-speculative-tokens", None),
-    "quantization": ("--quantization", None),
     "tensor_parallel_size": ("--tensor-parallel-size", 1),
 }
 
@@ -58,10 +54,6 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 def _add_not_yet_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("not implemented yet (accepted; a non-default value exits)")
     specs = {
-        "--speculative-config": dict(default=None, help="JSON speculative decoding config"),
-        "--speculative-model": dict(default=None),
-        "--num-speculative-tokens": dict(type=int, default=None),
-        "--quantization": dict(default=None),
         "--tensor-parallel-size": dict(type=int, default=1),
     }
     for flag, kwargs in specs.items():
@@ -76,11 +68,6 @@ def unimplemented_flags(args) -> list[str]:
         value = getattr(args, attr, default)
         if value is not None and value != default:
             bad.append(f"{flag} {value}")
-    if args.speculative_config:
-        try:
-            json.loads(args.speculative_config)
-        except json.JSONDecodeError as e:
-            bad.append(f"--speculative-config is not valid JSON ({e})")
     return bad
 
 
@@ -89,6 +76,11 @@ def _check_args(args) -> Optional[str]:
     if bad:
         return ("not implemented yet in tokenmill: " + ", ".join(bad) +
                 " (drop the flag to serve without it)")
+    if args.speculative_config:
+        try:
+            json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            return f"--speculative-config is not valid JSON ({e})"
     if args.max_queued_requests < 0:
         return "--max-queued-requests must be >= 0"
     if args.max_request_body_bytes < 1024:

@@ -87,9 +87,11 @@ def reference_linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor] = 
 
 def packed_linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor] = None,
                   use_kernel: bool = True,
-                  kernel_max_rows: int = DEFAULT_KERNEL_MAX_ROWS) -> torch.Tensor:
+                  kernel_max_rows: int = DEFAULT_KERNEL_MAX_ROWS,
+                  activations: Optional[str] = None) -> torch.Tensor:
     """x [..., K] -> [..., N] float32. Few rows: the kernel (int8 / int4 weights take int8
-    activations unless the activation mode is "fp32"); many rows: dequantize + fp32 GEMM."""
+    activations when ``activations`` (default: the process mode) is "q8"); many rows:
+    dequantize + fp32 GEMM."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, p.in_features).float()
     if p.perm is not None:
@@ -97,7 +99,7 @@ def packed_linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor] = Non
     if p.kernel_ok is None:
         p.kernel_ok = kernel_applies(p)
     if use_kernel and x2.shape[0] <= kernel_max_rows and p.kernel_ok:
-        if _activation_mode == "q8" and p.kind in ("i8", "i4"):
+        if (activations or _activation_mode) == "q8" and p.kind in ("i8", "i4"):
             y = kernels.qmm_q8(x2.contiguous(), _KINDS[p.kind], p.qweight, p.scales, p.mins,
                                p.group_size, p.out_features)
         else:

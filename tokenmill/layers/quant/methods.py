@@ -85,7 +85,11 @@ class UnquantizedLinearMethod(LinearMethod):
 
 
 class PackedLinearMethod(LinearMethod):
-    """Shared execution of packed weights; ``use_kernel=False`` forces the reference path."""
+    """Shared execution of packed weights; ``use_kernel=False`` forces the reference path.
+    ``activations``: "fp32" / "q8" for this layer's kernel matmuls, None = the process
+    default (matmul.activation_mode())."""
+
+    activations: Optional[str] = None
 
     def __init__(self, use_kernel: bool = True, kernel_max_rows: int = DEFAULT_KERNEL_MAX_ROWS):
         self.use_kernel = use_kernel
@@ -93,7 +97,8 @@ class PackedLinearMethod(LinearMethod):
 
     def apply(self, layer, x, bias):
         parts = layer.packed
-        ys = [packed_linear(x, p, None, self.use_kernel, self.kernel_max_rows) for p in parts]
+        ys = [packed_linear(x, p, None, self.use_kernel, self.kernel_max_rows, self.activations)
+              for p in parts]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         if bias is not None:
             y = y + bias
