@@ -63,8 +63,10 @@ def test_exp_extremes_through_silu():
 
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("d", [64, 48])   # 48: not a multiple of 32, the generic loops
-@pytest.mark.parametrize("requests", ["few", "many"])   # many: GQA heads grouped per task
+@pytest.mark.parametrize("requests", ["few", "many", "one-long-2", "one-long-3"])
 def test_paged_attention_matches_reference(window, d, requests):
+    """many: GQA heads grouped per task; one-long-N: a single request whose keys are split
+    across N threads (without a window), each part merged by max rescaling."""
     g = torch.Generator().manual_seed(3)
     hq, hkv, bs, nblocks = 6, 2, 4, 120
     k_cache = torch.randn(nblocks, bs, hkv, d, generator=g)
@@ -73,6 +75,10 @@ def test_paged_attention_matches_reference(window, d, requests):
     q_lens, seq_lens = [1, 3, 1], [1, 9, 23]
     if requests == "many":
         q_lens, seq_lens = q_lens * 4 + [2], seq_lens * 4 + [38]
+    threads = torch.get_num_threads()
+    if requests.startswith("one-long"):
+        q_lens, seq_lens = [3], [301]
+        torch.set_num_threads(int(requests[-1]))
     perm = torch.randperm(nblocks, generator=g).tolist()
     tables, used = [], 0
     for s in seq_lens:
@@ -88,8 +94,11 @@ def test_paged_attention_matches_reference(window, d, requests):
     want = ReferenceAttention().forward(q, k_new, v_new, k_cache.clone(), v_cache.clone(), meta,
                                         0.125, sliding_window=window)
     out = torch.full_like(q, float("nan"))
-    ok = cpu_ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc[:-1],
-                                 torch.tensor(q_lens), meta.seq_lens, 0.125, window, out)
+    try:
+        ok = cpu_ops.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start_loc[:-1],
+                                     torch.tensor(q_lens), meta.seq_lens, 0.125, window, out)
+    finally:
+        torch.set_num_threads(threads)
     assert ok
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
@@ -133,6 +142,8 @@ def test_paged_attention_reads_int8_cache_like_its_dequantized_values(window):
     all_blocks = torch.arange(nblocks)
     k_f, v_f = k_q.index_select(0, all_blocks), v_q.index_select(0, all_blocks)   # dequantized
     q_lens, seq_lens, tables = [1, 4], [13, 30], [[5, 1, 7, 2], list(range(10, 18))]
+    if window is None:   # one request: its keys split across the threads
+        q_lens, seq_lens, tables = [2], [101], [list(range(30))[::-1][:26]]
     meta = AttentionMetadata.build(q_lens, seq_lens, tables, bs, "cpu")
     q = torch.randn(sum(q_lens), hq, d, generator=g)
     args = (meta.block_tables, meta.query_start_loc[:-1], torch.tensor(q_lens), meta.seq_lens, 0.125, window)

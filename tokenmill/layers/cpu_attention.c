@@ -6,6 +6,7 @@
 
 #define ATT_MAX_G 8   /* query heads per KV head handled together (GQA group) */
 #define ATT_PF 8      /* keys of look-ahead for software prefetch */
+#define ATT_SPLIT_MIN 32   /* keys per thread before a row's keys are split across threads */
 
 static inline void prefetch_row(const float *row, int64_t D) {
     for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char *)(row + d), _MM_HINT_T0);
@@ -97,8 +98,9 @@ static void weighted_values_f32(const float *p, int64_t G, int64_t D, const floa
     }
 }
 
-/* Softmax of each of G score rows of length n in place; returns nothing, writes 1/sum. */
-static void softmax_rows(float *scores, int64_t G, int64_t n, float *inv_sum) {
+/* Softmax numerators of each of G score rows of length n in place: exp(s - max); writes
+ * each row's max and sum of numerators. */
+static void softmax_rows(float *scores, int64_t G, int64_t n, float *row_max, float *row_sum) {
     for (int64_t g = 0; g < G; g++) {
         float *s = scores + g * n;
         float m = -INFINITY;
@@ -113,16 +115,20 @@ static void softmax_rows(float *scores, int64_t G, int64_t n, float *inv_sum) {
         }
         float sum = hsum256(vsum);
         for (; j < n; j++) { s[j] = exp1(s[j] - m); sum += s[j]; }
-        inv_sum[g] = 1.0f / sum;
+        row_max[g] = m;
+        row_sum[g] = sum;
     }
 }
 
-/* Attention of one query row for G consecutive query heads h0.. sharing KV head kvh. */
+/* Attention of one query row for G consecutive query heads h0.. sharing KV head kvh, over
+ * keys first .. first + n - 1. part_max == NULL: o = the normalized output. Otherwise a
+ * partial result over this run of keys, for merging (attend_split): o = unnormalized
+ * sum_j exp(s_j - max) v_j, part_max / part_sum = each head's max score and sum of exps. */
 static void attend(const float *qv, int64_t G, int64_t D, const void *k_cache, const void *v_cache,
                    const float *k_scale, const float *v_scale, const int64_t *table, int64_t bs,
                    int64_t Hkv, int64_t kvh, int64_t first, int64_t n, float scale, float *o,
-                   float *scores) {
-    float inv[ATT_MAX_G];
+                   float *scores, float *part_max, float *part_sum) {
+    float mx[ATT_MAX_G], sm[ATT_MAX_G];
     const int fast = !k_scale && !v_scale && D % 32 == 0;
     if (fast) {
         scores_f32(qv, G, D, (const float *)k_cache, table, bs, Hkv, kvh, first, n, scale, scores);
@@ -137,7 +143,7 @@ static void attend(const float *qv, int64_t G, int64_t D, const void *k_cache, c
                     : dot(qv + g * D, (const float *)k_cache + slot * D, D) * scale;
         }
     }
-    softmax_rows(scores, G, n, inv);
+    softmax_rows(scores, G, n, mx, sm);
     if (fast) {
         weighted_values_f32(scores, G, D, (const float *)v_cache, table, bs, Hkv, kvh, first, n, o, D);
     } else {
@@ -152,8 +158,70 @@ static void attend(const float *qv, int64_t G, int64_t D, const void *k_cache, c
             }
         }
     }
-    for (int64_t g = 0; g < G; g++)
-        for (int64_t d = 0; d < D; d++) o[g * D + d] *= inv[g];
+    if (part_max) {
+        for (int64_t g = 0; g < G; g++) { part_max[g] = mx[g]; part_sum[g] = sm[g]; }
+        return;
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const float inv = 1.0f / sm[g];
+        for (int64_t d = 0; d < D; d++) o[g * D + d] *= inv;
+    }
+}
+
+/* Few requests (fewer KV heads in flight than 2 x threads): one query row's keys are split
+ * into nthreads runs, each task takes every head over its run (a run of slots is one
+ * contiguous stretch of each block: sequential reads, each K/V row read once), and the
+ * partial results merge with the usual max rescaling. Returns nonzero if out of memory. */
+static int attend_split(const float *qv, int64_t Hq, int64_t D, const void *k_cache,
+                        const void *v_cache, const float *k_scale, const float *v_scale,
+                        const int64_t *table, int64_t bs, int64_t Hkv, int64_t first, int64_t n,
+                        float scale, float *o, int nthreads) {
+    const int64_t group = Hq / Hkv, S = nthreads;
+    float *part = (float *)malloc(sizeof(float) * (size_t)(S * Hq * (D + 2)));
+    if (!part) return 1;
+    float *pmax = part + S * Hq * D, *psum = pmax + S * Hq;
+    int failed = 0;
+    #pragma omp parallel for schedule(static, 1) num_threads(nthreads)
+    for (int64_t s = 0; s < S; s++) {
+        const int64_t lo = first + n * s / S, hi = first + n * (s + 1) / S;
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * (hi - lo) + 8));
+        if (!scores) {
+            #pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            const int64_t h0 = kvh * group;
+            if (hi > lo)
+                attend(qv + h0 * D, group, D, k_cache, v_cache, k_scale, v_scale, table, bs, Hkv,
+                       kvh, lo, hi - lo, scale, part + (s * Hq + h0) * D, scores,
+                       pmax + s * Hq + h0, psum + s * Hq + h0);
+            else
+                for (int64_t g = 0; g < group; g++) {   /* an empty run adds nothing */
+                    pmax[s * Hq + h0 + g] = -INFINITY;
+                    psum[s * Hq + h0 + g] = 0.0f;
+                    memset(part + (s * Hq + h0 + g) * D, 0, sizeof(float) * (size_t)D);
+                }
+        }
+        free(scores);
+    }
+    if (!failed)
+        for (int64_t h = 0; h < Hq; h++) {
+            float m = -INFINITY, total = 0.0f, w[64];
+            for (int64_t s = 0; s < S; s++) if (pmax[s * Hq + h] > m) m = pmax[s * Hq + h];
+            for (int64_t s = 0; s < S; s++) {
+                w[s] = psum[s * Hq + h] > 0.0f ? exp1(pmax[s * Hq + h] - m) : 0.0f;
+                total += w[s] * psum[s * Hq + h];
+            }
+            const float inv = 1.0f / total;
+            for (int64_t d = 0; d < D; d++) {
+                float acc = 0.0f;
+                for (int64_t s = 0; s < S; s++) acc += w[s] * part[(s * Hq + h) * D + d];
+                o[h * D + d] = acc * inv;
+            }
+        }
+    free(part);
+    return failed;
 }
 
 /* One task = one request x a run of query heads sharing a KV head (the whole GQA group
@@ -178,6 +246,22 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
     int64_t max_len = 1;
     for (int64_t b = 0; b < B; b++) if (seq_len[b] > max_len) max_len = seq_len[b];
     int failed = 0;
+    if (B * Hkv < 2 * nthreads && nthreads > 1 && nthreads <= 64 && window <= 0) {
+        /* few requests: split each row's keys across the threads (long enough rows) */
+        int split_all = 1;
+        for (int64_t b = 0; b < B; b++)
+            if (seq_len[b] - q_len[b] + 1 < ATT_SPLIT_MIN * nthreads) split_all = 0;
+        if (split_all) {
+            for (int64_t b = 0; b < B && !failed; b++)
+                for (int64_t i = 0; i < q_len[b] && !failed; i++) {
+                    const int64_t row = q_start[b] + i, p = seq_len[b] - q_len[b] + i;
+                    failed = attend_split(q + row * q_stride, Hq, D, k_cache, v_cache, k_scale,
+                                          v_scale, block_tables + b * bt_stride, bs, Hkv, 0,
+                                          p + 1, scale, out + row * Hq * D, nthreads);
+                }
+            return failed;
+        }
+    }
     #pragma omp parallel num_threads(nthreads) if (B * runs > 1)
     {
         float *scores = (float *)malloc(sizeof(float) * (size_t)(G * max_len + 8));
@@ -196,7 +280,7 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
                     const int64_t first = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
                     attend(q + row * q_stride + h0 * D, G, D, k_cache, v_cache, k_scale, v_scale,
                            table, bs, Hkv, kvh, first, p - first + 1, scale,
-                           out + (row * Hq + h0) * D, scores);
+                           out + (row * Hq + h0) * D, scores, NULL, NULL);
                 }
             }
         }
