@@ -28,6 +28,10 @@ class ModelConfig:
     # summation order) or "q8" (rounded to int8 per 32 values for integer dot products, as
     # llama.cpp does: faster, small accuracy cost). None: TOKENMILL_QMM_ACTIVATIONS or fp32.
     quant_activations: Optional[str] = None
+    # torch.compile (inductor) each decoder layer of the per-layer module path (prefill and
+    # steps the one-call decode stack does not take); attention stays eager. Compiling takes
+    # tens of seconds per new shape class, paid on first use.
+    torch_compile: bool = False
 
     def __post_init__(self) -> None:
         if self.quantization is not None and not isinstance(self.quantization, str):

@@ -2,6 +2,8 @@
 fields the closing notes quote. Speed itself is never asserted."""
 import json
 
+import pytest
+
 from tokenmill.entrypoints.cli import main
 
 
@@ -31,6 +33,28 @@ def test_bench_latency_reports_floor_multiples(tiny_llama_dir, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["context_len"] for r in rows] == [8, 16]
     assert all(r["decode_ms_per_token"] > 0 and r["decode_x_floor"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_bench_latency_torch_compile_rows_and_compile_time(tiny_llama_dir, tmp_path):
+    """--torch-compile measures a compiled engine after the eager one, with ratios and the
+    compile time; the compiled model computes the same tokens."""
+    from tokenmill import LLM, SamplingParams
+    out = tmp_path / "l.json"
+    rc = main(["bench", "latency", "--model", tiny_llama_dir, "--context-lens", "24",
+               "--decode-tokens", "2", "--repeats", "1", "--torch-compile", "--json", str(out),
+               "--output-dir", str(tmp_path)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert [r["mode"] for r in result["rows"]] == ["eager", "torch.compile"]
+    assert result["rows"][1]["prefill_vs_eager"] > 0 and "compile_s" in result
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=2, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 40))}]
+    outs = [LLM(model=tiny_llama_dir, skip_tokenizer_init=True, torch_compile=c).generate(
+        prompts, params, use_tqdm=False)[0].outputs[0] for c in (False, True)]
+    assert outs[0].token_ids == outs[1].token_ids
+    for a, b in zip(outs[0].logprobs, outs[1].logprobs):
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a if t in b)
 
 
 def test_bench_quant_takes_checkpoints_and_kv_schemes(tiny_llama_dir, tmp_path):

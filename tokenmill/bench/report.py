@@ -31,6 +31,7 @@ class Chart:
     kind: str = "bar"
     title: str = ""
     highlight: str = ""       # bars whose label starts with this stand out (e.g. "tokenmill")
+    series: str = ""          # line charts: one line per distinct value of this row key
 
 
 def add_output_args(p: argparse.ArgumentParser, default_dir: Optional[str] = DEFAULT_OUTPUT_DIR) -> None:
@@ -132,9 +133,14 @@ def draw_chart(rows: Sequence[dict], chart: Chart, path: str) -> bool:
         ax = fig.add_subplot(nrows, ncols, i + 1)
         values = [_number(r.get(metric)) for r in rows]
         if chart.kind == "line":
-            pts = [(_number(r.get(chart.x)), v) for r, v in zip(rows, values)]
-            pts = [(x, v) for x, v in pts if x is not None and v is not None]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o")
+            names = list(dict.fromkeys(str(r.get(chart.series, "")) for r in rows))
+            for name in names:
+                pts = [(_number(r.get(chart.x)), v) for r, v in zip(rows, values)
+                       if str(r.get(chart.series, "")) == name]
+                pts = [(x, v) for x, v in pts if x is not None and v is not None]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name or None)
+            if len(names) > 1:
+                ax.legend(fontsize="small")
             ax.set_xlabel(chart.x)
         else:
             xs = range(len(rows))

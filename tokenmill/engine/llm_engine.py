@@ -56,7 +56,8 @@ class LLMEngine:
                                        self.weight_bytes)
         # The runner's dtype argument is the KV storage dtype (it allocates the caches).
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.device,
-                                  self.kv_dtype, mc.attention_backend, seed=mc.seed)
+                                  self.kv_dtype, mc.attention_backend, seed=mc.seed,
+                                  torch_compile=mc.torch_compile)
         lookahead = 0
         if config.speculative is not None:
             from tokenmill.spec.decoder import build_spec_decoder

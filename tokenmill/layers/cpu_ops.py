@@ -55,8 +55,9 @@ def _load() -> Optional[ctypes.CDLL]:
 
 
 def active() -> bool:
-    """True when the kernels are turned on and built for this machine."""
-    if not _enabled:
+    """True when the kernels are turned on and built for this machine (and not while
+    torch.compile traces: there the plain torch ops are what the compiler fuses)."""
+    if not _enabled or torch.compiler.is_compiling():
         return False
     return _lib is not None or _load() is not None
 

@@ -25,10 +25,24 @@ def step_seed(seed: int, num_output_tokens: int) -> int:
     return (seed * 6364136223846793005 + num_output_tokens * _SEED_MIX + 1442695040888963407) % (2**63)
 
 
+def compile_layers(model: torch.nn.Module, backend) -> None:
+    """torch.compile every decoder layer in place (shapes dynamic: one graph serves every
+    token count of a shape class). The attention backend stays eager (its paged-cache
+    bookkeeping is Python); the fused CPU kernels step aside while tracing
+    (cpu_ops.active), so inductor fuses the norm / RoPE / SiLU ops itself. Layers run by
+    the one-call decode stack (llama_fused) are not affected."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"torch_compile: {type(model).__name__} has no model.layers to compile")
+    backend.forward = torch.compiler.disable(backend.forward)
+    for layer in layers:
+        layer.compile(dynamic=True)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
-                 seed: int = 0) -> None:
+                 seed: int = 0, torch_compile: bool = False) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -37,6 +51,8 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(a.num_hidden_layers, num_blocks, block_size,
                                             a.num_key_value_heads, a.head_dim, dtype, device)
         self.backend = get_attention_backend(attention_backend)
+        if torch_compile:
+            compile_layers(model, self.backend)
         self.sampler = Sampler()
         self.shared_generator = torch.Generator(device=device)
         self.shared_generator.manual_seed(seed)
