@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from tokenmill.layers import cpu_ops
 from tokenmill.layers.quant import kernels
 from tokenmill.layers.quant.formats import Packed, dequantize_stored
 
@@ -85,6 +86,21 @@ def reference_linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor] = 
     return F.linear(x.float(), dequantize(p), b)
 
 
+def _dequant_gemm(x2: torch.Tensor, p: Packed) -> torch.Tensor:
+    """Many rows: dequantize W a slice of output rows at a time (the float32 slice stays in
+    cache instead of a whole fp32 W going through memory: SmolLM2's int8 head is 113 MB as
+    float32) and multiply each slice with MKL (cpu_ops.GEMM_N_SLICE: MKL's fast shape)."""
+    n, k, step = p.out_features, p.in_features, cpu_ops.GEMM_N_SLICE
+    out = []
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        w = kernels.dequant(_KINDS[p.kind], p.qweight[n0:n1], p.scales[n0:n1],
+                            p.mins[n0:n1] if p.mins is not None else None, p.group_size,
+                            n1 - n0, k)
+        out.append(F.linear(x2, w))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+
+
 def packed_linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor] = None,
                   use_kernel: bool = True,
                   kernel_max_rows: int = DEFAULT_KERNEL_MAX_ROWS,
@@ -106,8 +122,7 @@ def packed_linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor] = Non
             y = kernels.qmm(x2.contiguous(), _KINDS[p.kind], p.qweight, p.scales, p.mins,
                             p.group_size, p.out_features)
     elif use_kernel and p.kernel_ok:
-        y = F.linear(x2, kernels.dequant(_KINDS[p.kind], p.qweight, p.scales, p.mins,
-                                         p.group_size, p.out_features, p.in_features))
+        y = _dequant_gemm(x2, p)
     else:
         y = F.linear(x2, dequantize_stored(p))
     if bias is not None:
