@@ -51,6 +51,23 @@ def test_llamacpp_gguf_is_compared_with_the_q8_activation_row():
     assert rows[2]["tokenmill_vs"]["against"] == "tokenmill gguf"
 
 
+def test_rounds_merge_to_per_measure_medians():
+    from tokenmill.bench.compare import merge_rounds
+
+    def row(decode, rss, status="ok"):
+        return {"name": "x", "engine": "x", "precision": "fp32", "status": status,
+                "decode_tok_s": decode, "prefill_tok_s": 2 * decode, "throughput_tok_s": 3 * decode,
+                "peak_rss_bytes": rss}
+    merged = merge_rounds([[row(10.0, 5), {"name": "y", "status": "not installed"}],
+                           [row(30.0, 7), {"name": "y", "status": "not installed"}],
+                           [row(20.0, 6), {"name": "y", "status": "not installed"}]])
+    assert merged[0]["decode_tok_s"] == 20.0 and merged[0]["throughput_tok_s"] == 60.0
+    assert merged[0]["peak_rss_bytes"] == 7 and merged[0]["rounds"]["decode_tok_s"] == [10.0, 30.0, 20.0]
+    assert merged[1]["status"] == "not installed"
+    failed_once = merge_rounds([[row(10.0, 5, "error: boom")], [row(12.0, 5)]])
+    assert failed_once[0]["status"] == "ok" and failed_once[0]["decode_tok_s"] == 12.0
+
+
 def test_peer_names():
     assert canonical("llamacpp") == "llama.cpp" and canonical("HF") == "transformers"
     with pytest.raises(ValueError):

@@ -11,6 +11,9 @@ read by the process itself); every engine is timed by the same routine on the sa
   fp32's (mean_agreeing_prefix: the mean fraction of tokens before the first difference);
 - peak_rss_bytes: the engine process's peak resident memory.
 
+With --rounds N every engine runs N times, the rounds interleaved, and each measure is the
+median over rounds (each round's value kept under "rounds").
+
 Rows state their precision: tokenmill "fp32" (GGUF dequantized to float32), "gguf" (GGUF
 blocks kept packed, float activations) and "gguf-q8" (the same blocks, activations rounded to
 int8 per 32 values for integer dot products: llama.cpp's own scheme, so the like-for-like row
@@ -64,6 +67,10 @@ def add_parser(sub) -> None:
                    help="parallel sequences in the throughput run (default: all prompts)")
     p.add_argument("--repeats", type=int, default=3, help="batch-1 runs (median) after a warm-up")
     p.add_argument("--throughput-repeats", type=int, default=None, help="default: --repeats")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every engine this many times, interleaved (A B C A B C), and "
+                        "report each measure's median over rounds: the machine's speed drifts "
+                        "over minutes, and one pass in order would hand the drift to one engine")
     p.add_argument("--num-threads", type=int, default=2, help="threads for every engine")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per engine")
     p.add_argument("--vllm-model", default=None, help="HF safetensors dir of the same weights")
@@ -219,17 +226,10 @@ def goals(rows: list[dict]) -> list[dict]:
              "met": None if v is None else (v >= t if op == ">=" else v <= t)} for g, v, t, op in out]
 
 
-# -- the command ----------------------------------------------------------------------------------
-def run(args) -> int:
-    from tokenmill.bench.common import emit, machine_info, measure_bandwidth_gbps
+def _one_round(plan: list[dict], path: str, workload: dict, max_num_seqs: int, args,
+               round_index: int) -> list[dict]:
+    """Every planned row once, in order (each engine in its own process)."""
     from tokenmill.bench.peers import install_hint
-    from tokenmill.models.hub import resolve_model
-    path = resolve_model(args.model)
-    workload = build_workload(path, args)
-    max_num_seqs = args.max_num_seqs or args.num_prompts
-    bandwidth = measure_bandwidth_gbps()
-    plan = plan_rows(path, args)
-    machine = machine_info()
     rows = []
     for i, item in enumerate(plan):
         name = f"{item['engine']} {item['precision']}"
@@ -239,7 +239,8 @@ def run(args) -> int:
             if item["skip"] == "not installed":
                 rows[-1]["install"] = install_hint(item["engine"])
             continue
-        print(f"[{i + 1}/{len(plan)}] {name}", file=sys.stderr, flush=True)
+        print(f"[round {round_index + 1}/{args.rounds}, {i + 1}/{len(plan)}] {name}",
+              file=sys.stderr, flush=True)
         spec = {"engine": item["engine"], "precision": item["precision"], "model_path": path,
                 "weights_path": path, "num_threads": args.num_threads,
                 "max_num_seqs": max_num_seqs, "prefill_len": args.prefill_len,
@@ -257,6 +258,46 @@ def run(args) -> int:
             result = {"engine": item["engine"], "precision": item["precision"],
                       "status": f"error: {type(e).__name__}: {e}"}
         rows.append({"name": name, **result})
+    return rows
+
+
+_MEASURES = ("decode_tok_s", "prefill_tok_s", "throughput_tok_s")
+
+
+def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One row per engine: each measure the median of the rounds' values (the rounds
+    interleave the engines, so the machine's drift over minutes reaches all of them alike),
+    peak RSS the largest, greedy tokens from the first round; "rounds" keeps each value."""
+    import statistics
+    merged = []
+    for same in zip(*rounds):
+        row = dict(same[0])
+        ok = [r for r in same if _ok(r)]
+        if len(ok) == len(same) and len(same) > 1:
+            for key in _MEASURES:
+                row[key] = round(statistics.median(r[key] for r in ok), 2)
+            row["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in ok)
+            row["rounds"] = {key: [r[key] for r in ok] for key in _MEASURES}
+        elif ok and not _ok(row):
+            row = dict(ok[0])
+        merged.append(row)
+    return merged
+
+
+# -- the command ----------------------------------------------------------------------------------
+def run(args) -> int:
+    from tokenmill.bench.common import emit, machine_info, measure_bandwidth_gbps
+    from tokenmill.models.hub import resolve_model
+    path = resolve_model(args.model)
+    workload = build_workload(path, args)
+    max_num_seqs = args.max_num_seqs or args.num_prompts
+    bandwidth = measure_bandwidth_gbps()
+    plan = plan_rows(path, args)
+    machine = machine_info()
+    rounds: list[list[dict]] = []
+    for r in range(args.rounds):
+        rounds.append(_one_round(plan, path, workload, max_num_seqs, args, r))
+    rows = merge_rounds(rounds)
     decode_context = sum(map(len, workload["decode_prompts"])) // len(workload["decode_prompts"])
     add_comparisons(rows, args.output_len, bandwidth, decode_context)
     for r in rows:
@@ -265,7 +306,7 @@ def run(args) -> int:
               "dataset": args.dataset, "num_prompts": args.num_prompts,
               "output_len": args.output_len, "prefill_len": args.prefill_len,
               "max_num_seqs": max_num_seqs, "num_threads": args.num_threads,
-              "repeats": args.repeats, "bandwidth_gb_s": round(bandwidth, 1),
+              "repeats": args.repeats, "rounds": args.rounds, "bandwidth_gb_s": round(bandwidth, 1),
               "ratios": "tokenmill_vs.* = the tokenmill row of the same precision / this row "
                         "(speeds: > 1 = tokenmill faster; peak_rss: < 1 = tokenmill smaller)",
               "machine": machine, "machine_after": machine_info(), "rows": rows,
