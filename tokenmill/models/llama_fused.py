@@ -4,10 +4,10 @@ Eager PyTorch spends several milliseconds per decode step on Python: ~10 module 
 ~10 kernel calls per layer. When a step is decode-sized (at most ``cpu_ops.LINEAR_MAX_ROWS``
 tokens) and the model is a plain Llama stack on the fused CPU kernels (linears without
 biases, float32 or packed for the quantized kernel, with float or int8-rounded (q8)
-activations as the quantized linears would take them; float32 or int8 KV cache; RMSNorm, SiLU, RoPE; no sliding window, no q/k norm, no hooks), the layers run back
-to back in C instead: the same kernels in the same order, so the hidden states are
-bit-identical to the module path. Anything else returns None and the caller runs its
-modules.
+activations as the quantized linears would take them; float32 or int8 KV cache; RMSNorm,
+SiLU, RoPE; no sliding window, no q/k norm, no hooks), the layers run back to back in C:
+the same kernels in the same order, so the hidden states are bit-identical to the module
+path. Anything else returns None and the caller runs its modules.
 """
 from __future__ import annotations
 
