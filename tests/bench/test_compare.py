@@ -64,8 +64,10 @@ def test_rounds_merge_to_per_measure_medians():
     assert merged[0]["decode_tok_s"] == 20.0 and merged[0]["throughput_tok_s"] == 60.0
     assert merged[0]["peak_rss_bytes"] == 7 and merged[0]["rounds"]["decode_tok_s"] == [10.0, 30.0, 20.0]
     assert merged[1]["status"] == "not installed"
-    failed_once = merge_rounds([[row(10.0, 5, "error: boom")], [row(12.0, 5)]])
-    assert failed_once[0]["status"] == "ok" and failed_once[0]["decode_tok_s"] == 12.0
+    failed_once = merge_rounds([[row(10.0, 5, "error: boom")], [row(12.0, 5)], [row(16.0, 5)]])
+    assert failed_once[0]["status"] == "ok" and failed_once[0]["decode_tok_s"] == 14.0
+    assert failed_once[0]["failed_rounds"] == 1
+    assert merge_rounds([[row(1.0, 5, "error: a")], [row(1.0, 5, "error: b")]])[0]["status"] == "error: a"
 
 
 def test_peer_names():

@@ -265,21 +265,21 @@ _MEASURES = ("decode_tok_s", "prefill_tok_s", "throughput_tok_s")
 
 
 def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
-    """One row per engine: each measure the median of the rounds' values (the rounds
+    """One row per engine: each measure the median over the rounds where it ran (the rounds
     interleave the engines, so the machine's drift over minutes reaches all of them alike),
-    peak RSS the largest, greedy tokens from the first round; "rounds" keeps each value."""
+    peak RSS the largest, greedy tokens from the first such round; "rounds" keeps each
+    value, "failed_rounds" counts the others."""
     import statistics
     merged = []
     for same in zip(*rounds):
-        row = dict(same[0])
         ok = [r for r in same if _ok(r)]
-        if len(ok) == len(same) and len(same) > 1:
+        row = dict(ok[0] if ok else same[0])   # a round that failed does not count
+        if len(same) > 1 and ok:
             for key in _MEASURES:
                 row[key] = round(statistics.median(r[key] for r in ok), 2)
             row["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in ok)
             row["rounds"] = {key: [r[key] for r in ok] for key in _MEASURES}
-        elif ok and not _ok(row):
-            row = dict(ok[0])
+            row["failed_rounds"] = len(same) - len(ok)
         merged.append(row)
     return merged
 
