@@ -1,8 +1,8 @@
-/* A whole Llama-style decoder stack for decode-sized batches (1 to GEMV_MAX_M tokens) in
- * one call. In eager mode each layer costs ~10 Python module calls and ~10 kernel calls,
+/* A whole Llama-style decoder stack for decode-sized batches (up to cpu_ops.LINEAR_MAX_ROWS
+ * tokens) in one call. In eager mode each layer costs ~10 Python module calls and ~10 kernel calls,
  * several milliseconds per step in all; here the same kernels run back to back in C, in
  * the same order on the same buffers, so the result is bit-identical to the module path
- * with the fused kernels on (tests/layers/test_cpu_decode.py compares them).
+ * with the fused kernels on (tests/models/test_llama_fused.py compares them).
  *
  * Per layer l (x [T, H] is the residual stream, updated in place):
  *   h = rmsnorm(x) ; qkv = h Wqkv^T ; rope(q, k) ; cache[slots] = k, v

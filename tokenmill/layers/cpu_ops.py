@@ -116,10 +116,17 @@ def linear_many_rows(x: torch.Tensor, weight: torch.Tensor,
     if not (x.dim() == 2 and n > 2 * GEMM_N_SLICE and _ok(x, weight) and _enabled
             and not torch.compiler.is_compiling()):
         return F.linear(x, weight, bias)
-    y = torch.cat([F.linear(x, w) for w in weight.split(GEMM_N_SLICE)], dim=1)
+    y = linear_by_row_slices(x, n, lambda n0, n1: weight[n0:n1])
     if bias is not None:
         y += bias
     return y
+
+
+def linear_by_row_slices(x: torch.Tensor, n: int, rows) -> torch.Tensor:
+    """x @ W^T with W [n, K] given by slices: ``rows(n0, n1)`` is W[n0:n1] as float32,
+    GEMM_N_SLICE rows at a time, each multiplied by MKL; the outputs concatenate."""
+    out = [F.linear(x, rows(n0, min(n, n0 + GEMM_N_SLICE))) for n0 in range(0, n, GEMM_N_SLICE)]
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
 
 
 # -- RMSNorm ------------------------------------------------------------------------------

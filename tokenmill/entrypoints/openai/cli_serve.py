@@ -6,7 +6,6 @@ The model loads in the engine thread after the socket is open, so `/health` answ
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
@@ -76,11 +75,11 @@ def _check_args(args) -> Optional[str]:
     if bad:
         return ("not implemented yet in tokenmill: " + ", ".join(bad) +
                 " (drop the flag to serve without it)")
-    if args.speculative_config:
-        try:
-            json.loads(args.speculative_config)
-        except json.JSONDecodeError as e:
-            return f"--speculative-config is not valid JSON ({e})"
+    from tokenmill.entrypoints.cli import _json_arg
+    try:
+        _json_arg("--speculative-config", args.speculative_config)
+    except ValueError as e:
+        return str(e)
     if args.max_queued_requests < 0:
         return "--max-queued-requests must be >= 0"
     if args.max_request_body_bytes < 1024:

@@ -53,10 +53,11 @@ def quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
 
 def kernel_applies(p: Packed) -> bool:
     g = p.group_size
-    half_ok = p.kind in ("i8", "i4") and (p.mins is None or p.mins.dtype is torch.float16)
-    if not (p.scales.dtype is torch.float32 or (p.scales.dtype is torch.float16 and half_ok)):
+    # float32 scales / mins, or float16 ones for int8 / int4 (KIND_HALF); both of one dtype
+    if p.scales.dtype not in (torch.float32, torch.float16) or (
+            p.mins is not None and p.mins.dtype is not p.scales.dtype):
         return False
-    if p.mins is not None and p.mins.dtype is not p.scales.dtype:
+    if p.scales.dtype is torch.float16 and p.kind not in ("i8", "i4"):
         return False
     return (kernels.available() and g % _MIN_GROUP[p.kind] == 0 and p.in_features % g == 0
             and p.qweight.device.type == "cpu" and p.qweight.is_contiguous()
@@ -90,15 +91,11 @@ def _dequant_gemm(x2: torch.Tensor, p: Packed) -> torch.Tensor:
     """Many rows: dequantize W a slice of output rows at a time (the float32 slice stays in
     cache instead of a whole fp32 W going through memory: SmolLM2's int8 head is 113 MB as
     float32) and multiply each slice with MKL (cpu_ops.GEMM_N_SLICE: MKL's fast shape)."""
-    n, k, step = p.out_features, p.in_features, cpu_ops.GEMM_N_SLICE
-    out = []
-    for n0 in range(0, n, step):
-        n1 = min(n, n0 + step)
-        w = kernels.dequant(_KINDS[p.kind], p.qweight[n0:n1], p.scales[n0:n1],
-                            p.mins[n0:n1] if p.mins is not None else None, p.group_size,
-                            n1 - n0, k)
-        out.append(F.linear(x2, w))
-    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
+    def rows(n0: int, n1: int) -> torch.Tensor:
+        return kernels.dequant(_KINDS[p.kind], p.qweight[n0:n1], p.scales[n0:n1],
+                               p.mins[n0:n1] if p.mins is not None else None, p.group_size,
+                               n1 - n0, p.in_features)
+    return cpu_ops.linear_by_row_slices(x2, p.out_features, rows)
 
 
 def packed_linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor] = None,
