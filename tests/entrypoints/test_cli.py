@@ -75,6 +75,8 @@ def test_engine_flags_reach_the_engine(tiny_llama_dir, capsys, monkeypatch):
     down = engine.model.model.layers[0].mlp.down_proj
     assert down.packed[0].kind == "i4" and down.quant_method.activations == "q8"
     assert engine.config.speculative.num_speculative_tokens == 3
+    assert args.cpu_weight_prepack is True and engine.config.model.cpu_weight_prepack is True
+    assert parser.parse_args(["serve", "--no-cpu-weight-prepack"]).cpu_weight_prepack is False
     assert "not valid JSON" in _check_args(parser.parse_args(["serve", "--speculative-config", "{nope"]))
     assert unimplemented_flags(parser.parse_args(["serve", "--tensor-parallel-size", "2"])) == [
         "--tensor-parallel-size 2"]

@@ -39,7 +39,8 @@ class LLMEngine:
         torch.manual_seed(mc.seed)
         self.model = build_model(checkpoint, self.device, self.dtype, self.max_model_len,
                                  quantization=mc.quantization,
-                                 quant_activations=mc.quant_activations)
+                                 quant_activations=mc.quant_activations,
+                                 cpu_weight_prepack=mc.cpu_weight_prepack)
         self.weight_bytes = sum(p.numel() * p.element_size()
                                 for p in {id(p): p for p in self.model.parameters()}.values())
         a = self.model.args
@@ -154,6 +155,7 @@ class LLMEngine:
         kv = self.scheduler.kv
         return {
             "model_weights": self.weight_bytes,
+            "prepacked_weights": self.model.prepacked_bytes,   # oneDNN copies (CPU fp32)
             "kv_cache": kv_cache_nbytes(self.runner.kv_caches),
             "kv_cache_dtype": self.config.cache.kv_cache_dtype,
             "kv_cache_storage_dtype": str(self.kv_dtype).removeprefix("torch."),

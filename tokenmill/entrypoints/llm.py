@@ -25,14 +25,16 @@ class LLM:
                  speculative_model: Optional[str] = None,
                  num_speculative_tokens: Optional[int] = None,
                  quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
-                 quant_activations: Optional[str] = None, torch_compile: bool = False) -> None:
+                 quant_activations: Optional[str] = None, torch_compile: bool = False,
+                 cpu_weight_prepack: bool = True) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               skip_tokenizer_init=skip_tokenizer_init,
                               attention_backend=attention_backend,
                               quantization=quantization,
                               quant_activations=quant_activations,
-                              torch_compile=torch_compile),
+                              torch_compile=torch_compile,
+                              cpu_weight_prepack=cpu_weight_prepack),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization,

@@ -55,6 +55,11 @@ def _load() -> Optional[ctypes.CDLL]:
     return lib
 
 
+def fast_paths_on() -> bool:
+    """The switch alone (no build needed): for fast paths that are not our C kernels."""
+    return _enabled and not torch.compiler.is_compiling()
+
+
 def active() -> bool:
     """True when the kernels are turned on and built for this machine (and not while
     torch.compile traces: there the plain torch ops are what the compiler fuses)."""
@@ -113,8 +118,7 @@ def linear_many_rows(x: torch.Tensor, weight: torch.Tensor,
     """x [M, K] @ W[N, K]^T (+ b) for prefill / large batches: F.linear, by slices of
     GEMM_N_SLICE output rows when W has more than 2 slices (CPU float32)."""
     n = weight.shape[0]
-    if not (x.dim() == 2 and n > 2 * GEMM_N_SLICE and _ok(x, weight) and _enabled
-            and not torch.compiler.is_compiling()):
+    if not (x.dim() == 2 and n > 2 * GEMM_N_SLICE and _ok(x, weight) and fast_paths_on()):
         return F.linear(x, weight, bias)
     y = linear_by_row_slices(x, n, lambda n0, n1: weight[n0:n1])
     if bias is not None:

@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 
+from tokenmill.layers.prepacked import prepack_linears
 from tokenmill.layers.quant import (attach_quantization, checkpoint_tensors,
                                     process_weights_after_loading, resolve_quant_spec)
 from tokenmill.layers.quant.embedding import share_packed_head_with_embedding
@@ -15,10 +16,13 @@ from tokenmill.models.weights import load_weights
 
 def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
                 max_model_len: int, quantization: Optional[str] = None,
-                quant_activations: Optional[str] = None) -> torch.nn.Module:
+                quant_activations: Optional[str] = None,
+                cpu_weight_prepack: bool = False) -> torch.nn.Module:
     """``quantization``: None / "int8" / "int4[-gN]" / "fp8" / "gguf"; a quantized
     checkpoint (GPTQ, AWQ, FP8 config) brings its own scheme. ``quant_activations``: "fp32"
-    / "q8" for the packed linears' decode matmuls (None: the process default)."""
+    / "q8" for the packed linears' decode matmuls (None: the process default).
+    ``cpu_weight_prepack``: float32 CPU linears get a oneDNN copy of their weight
+    (layers/prepacked.py); ``model.prepacked_bytes`` says what it added."""
     cfg = dict(checkpoint.hf_config)
     # RoPE tables only need to cover the context we serve.
     cfg["max_position_embeddings"] = max(max_model_len, 1)
@@ -35,6 +39,7 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
         for m in model.modules():
             if isinstance(getattr(m, "quant_method", None), PackedLinearMethod):
                 m.quant_method.activations = quant_activations
+    model.prepacked_bytes = prepack_linears(model) if cpu_weight_prepack else 0
     model.quantization_method = spec.method   # what runs (a checkpoint's own scheme too)
     model.eval()
     return model

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers import cpu_ops
+from tokenmill.layers import cpu_ops, prepacked
 from tokenmill.layers.quant import formats
 from tokenmill.layers.quant.formats import Packed
 from tokenmill.layers.quant.matmul import DEFAULT_KERNEL_MAX_ROWS, packed_linear
@@ -82,6 +82,9 @@ class UnquantizedLinearMethod(LinearMethod):
             if y is not None:
                 return y
         if x.dim() == 2:
+            y = prepacked.linear(layer, x, bias)
+            if y is not None:
+                return y
             return cpu_ops.linear_many_rows(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)
 

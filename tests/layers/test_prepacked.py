@@ -1,0 +1,86 @@
+"""oneDNN-prepacked float32 linears equal F.linear, are taken only for many-row matmuls,
+step aside when stale or switched off, and the engine option reaches the model."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers import cpu_ops, prepacked
+from tokenmill.layers.linear import Linear
+
+pytestmark = pytest.mark.skipif(not prepacked.available(), reason="torch built without oneDNN")
+
+
+def _layer(n=300, k=96, bias=True, seed=0):
+    torch.manual_seed(seed)
+    layer = Linear(k, n, bias=bias)
+    layer.weight.data.normal_()
+    if bias:
+        layer.bias.data.normal_()
+    return layer
+
+
+@pytest.mark.parametrize("rows", [1, 17, 64, 301])
+@pytest.mark.parametrize("bias", [True, False])
+def test_prepacked_linear_matches_f_linear(rows, bias):
+    layer = _layer(bias=bias)
+    assert prepacked.prepack_linears(layer) == layer.weight.numel() * 4
+    x = torch.randn(rows, 2 * 96)[:, ::2]          # strided input is fine
+    got = prepacked.linear(layer, x, layer.bias)
+    torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+
+
+def test_layer_takes_prepacked_path_for_many_rows_only(monkeypatch):
+    layer = _layer()
+    prepacked.prepack_linears(layer)
+    calls = []
+    real = prepacked.linear
+    monkeypatch.setattr(prepacked, "linear", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    layer(torch.randn(cpu_ops.LINEAR_MAX_ROWS, 96))       # decode rows: the streaming kernel
+    x = torch.randn(cpu_ops.LINEAR_MAX_ROWS + 1, 96)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+    assert calls == [cpu_ops.LINEAR_MAX_ROWS + 1] or (not cpu_ops.active() and len(calls) == 2)
+
+
+def test_stale_or_switched_off_falls_back():
+    layer = _layer()
+    prepacked.prepack_linears(layer)
+    x = torch.randn(40, 96)
+    layer.weight = torch.nn.Parameter(torch.randn(300, 96), requires_grad=False)   # replaced
+    assert prepacked.linear(layer, x, layer.bias) is None
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+    prepacked.prepack_linears(layer)
+    assert prepacked.linear(layer, x, layer.bias) is not None
+    cpu_ops.set_enabled(False)
+    try:
+        assert prepacked.linear(layer, x, layer.bias) is None
+    finally:
+        cpu_ops.set_enabled(True)
+    assert prepacked.linear(layer, x.double(), None) is None
+
+
+def test_only_float32_unquantized_linears_are_packed():
+    from tokenmill.layers.quant.methods import Int8Method
+    plain, quant = _layer(), _layer()
+    quant.set_quant_method(Int8Method())
+    quant.weight.data.normal_()
+    quant.quant_method.process_weights_after_loading(quant)
+    model = torch.nn.ModuleList([plain, quant, _layer().double()])
+    assert prepacked.prepack_linears(model) == plain.weight.numel() * 4
+    assert hasattr(plain, "prepacked") and not hasattr(quant, "prepacked")
+
+
+def test_engine_option_packs_and_keeps_outputs(tiny_llama_dir):
+    from tokenmill import LLM, SamplingParams
+    prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 7 * i))} for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+    results = {}
+    for flag in (True, False):
+        llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, cpu_weight_prepack=flag)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[flag] = ([list(o.outputs[0].token_ids) for o in outs],
+                         [o.outputs[0].cumulative_logprob for o in outs])
+        packed_bytes = llm.get_memory_stats()["prepacked_weights"]
+        assert (packed_bytes > 0) == flag
+        assert hasattr(llm.engine.model.model.layers[0].mlp.down_proj, "prepacked") == flag
+    assert results[True][0] == results[False][0]
+    assert results[True][1] == pytest.approx(results[False][1], abs=1e-3)

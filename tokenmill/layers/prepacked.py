@@ -1,0 +1,63 @@
+"""Float32 CPU linears with a second copy of the weight in oneDNN's blocked layout, for the
+many-row matmuls of prefill and batched decode.
+
+MKL's sgemm packs W into its own panels on every call; oneDNN can take W already reordered
+once at load. On this 2-core AVX2 box (Zen 3, 2 threads, GFLOPS, /tmp sweeps) F.linear vs
+prepacked: gate_up [3072, 576] at 32 rows 76 vs 117, 64 rows 84 vs 99-101, 512 rows 98 vs
+128; the LM head [49152, 576] at 64 rows 60 vs 119. End to end (SmolLM2-135M fp32, 64
+ShareGPT prompts, 64 tokens each, same process A/B): 88-93 -> 110-114 tok/s.
+
+The copy costs the float weights' memory once more (``LLM(cpu_weight_prepack=False)`` /
+``--no-cpu-weight-prepack`` turns it off). The small-row decode path keeps reading the plain
+weight (its kernel streams rows; cpu_ops.linear). A layer whose weight tensor is replaced
+after packing falls back to F.linear until ``prepack_linears`` runs again.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from tokenmill.layers import cpu_ops
+
+PACK_ROWS_HINT = 64      # the row count oneDNN picks its blocked layout for; measured good
+#                          from 8 to 512 rows (above)
+
+
+def available() -> bool:
+    return (torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Give every float32 CPU ``Linear`` with a plain weight its oneDNN copy; returns the
+    bytes added (0 when oneDNN is missing). A tied head shares its tensor with the
+    embedding, so the head is packed like any other weight."""
+    from tokenmill.layers.linear import Linear
+    from tokenmill.layers.quant.methods import UnquantizedLinearMethod
+    if not available():
+        return 0
+    added = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if not (isinstance(module, Linear) and isinstance(module.quant_method, UnquantizedLinearMethod)
+                and isinstance(weight, torch.Tensor) and weight.dtype is torch.float32
+                and weight.device.type == "cpu" and weight.dim() == 2):
+            continue
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
+        module.prepacked = (packed, weight.data_ptr())
+        added += weight.numel() * weight.element_size()
+    return added
+
+
+def linear(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """x [M, K] @ W^T (+ b) through the layer's prepacked weight; None when it has none, it
+    is stale, the CPU fast paths are off, or torch.compile is tracing."""
+    entry = getattr(layer, "prepacked", None)
+    if (entry is None or entry[1] != layer.weight.data_ptr() or not cpu_ops.fast_paths_on()
+            or x.dim() != 2 or x.dtype is not torch.float32 or x.is_cuda
+            or (bias is not None and bias.dtype is not torch.float32)):
+        return None
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), entry[0], bias, "none", [], "")
