@@ -13,7 +13,11 @@ Ablations (--only picks some):
   prefix_caching      off: no prefix cache, on ShareGPT turns behind one shared system prompt
   spec_decode         off: no n-gram speculation, on input-grounded (copy / rewrite) tasks
   quantization        on: GGUF blocks kept packed (--quant-scheme) vs off: float32
-  cpu_fast_paths      off: plain-PyTorch reference attention and no fused C kernels
+  cpu_fast_paths      off: plain-PyTorch reference attention, no fused C kernels and no
+                      prepacked weights
+  weight_prepack      off: float32 linears multiply by MKL on the plain weights, without the
+                      oneDNN-layout copy (cpu_weight_prepack=False); a quantized model's
+                      packed linears are the same either way
 
 The workload: --num-prompts ShareGPT first turns, each with its reference answer's length
 (capped at --output-len; --fixed-output-len for all the same), all arriving at once, with
@@ -38,7 +42,7 @@ from tokenmill.bench.workloads import (SYSTEM_PROMPT, Workload, grounded_tasks, 
                                        random_turns, sharegpt_turns)
 
 ABLATIONS = ("paged_kv", "continuous_batching", "chunked_prefill", "prefix_caching",
-             "spec_decode", "quantization", "cpu_fast_paths")
+             "spec_decode", "quantization", "cpu_fast_paths", "weight_prepack")
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
         "prompt_lookup_max": 4}
 
@@ -267,7 +271,11 @@ def _variants(ctx: Context, name: str):
             cpu_ops.set_enabled(False)
             reset_off()
         return "main", Variant(base.llm, before_run=on_run), Variant(llm, before_run=off_run), \
-            "reference attention, no fused C kernels (norm, rope, silu, GEMV, paged attention, one-call decode stack)"
+            "reference attention, no fused C kernels (norm, rope, silu, GEMV, paged attention, one-call decode stack), no prepacked weights"
+    if name == "weight_prepack":
+        llm = ctx.llm(cpu_weight_prepack=False)
+        return "main", base, Variant(llm, before_run=_reset_prefix_cache(llm)), \
+            "MKL on plain float32 weights (no oneDNN-layout copy)"
     raise ValueError(f"unknown ablation {name!r}; choose from {', '.join(ABLATIONS)}")
 
 
