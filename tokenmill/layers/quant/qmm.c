@@ -212,10 +212,11 @@ void tm_quantize_q8(const float *x, int64_t M, int64_t K, int8_t *qx, float *dx)
 }
 
 INLINE __m256i load_w32(const uint8_t *w, int64_t k, int kind) {
-    if ((kind & 7) == 1) {   /* 16 bytes -> 32 values 0..15 in order (low nibbles first) */
-        __m128i b = _mm_loadu_si128((const __m128i *)(w + k / 2));
-        const __m128i low = _mm_set1_epi8(0x0F);
-        return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+    if ((kind & 7) == 1) {   /* 16 bytes -> 32 values 0..15 in order (low nibbles first):
+                                * the bytes in both lanes, the high lane shifted by 4 */
+        __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(w + k / 2)));
+        b = _mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+        return _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
     }
     return _mm256_loadu_si256((const __m256i *)(w + k));
 }
@@ -224,10 +225,10 @@ INLINE __m256i load_w32(const uint8_t *w, int64_t k, int kind) {
  * accumulator chains, and each activation block loaded once feeds R rows. Every 32-value
  * block adds (integer dot) * (dx * scale) to its chain; the int4 affine term min * sum(x)
  * is added per group at the end. out[m * R + r]. */
-INLINE void tile_q8(const int8_t *qx, const float *dx, const int mb, const int R, int64_t K,
-                    const uint8_t *w, int64_t row_bytes, const float *scale, const float *mins,
-                    int64_t G, int kind, const float *xsum, float *out) {
-    const int64_t ngroups = K / G, nb = K / 32, per_group = G / 32;
+INLINE void tile_q8_pg(const int8_t *qx, const float *dx, const int mb, const int R, int64_t K,
+                       const uint8_t *w, int64_t row_bytes, const float *scale, const float *mins,
+                       int64_t G, int kind, const float *xsum, float *out, const int64_t per_group) {
+    const int64_t ngroups = K / G, nb = K / 32;
     const int i4 = (kind & 7) == 1;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[4][4];
@@ -270,6 +271,14 @@ INLINE void tile_q8(const int8_t *qx, const float *dx, const int mb, const int R
     }
     for (int m = 0; m < mb; m++)
         for (int r = 0; r < R; r++) out[m * R + r] = hsum(acc[m][r]) + lin[m][r];
+}
+
+/* GGUF's groups are one block (G = 32): that case gets its own copy with the inner loop gone. */
+INLINE void tile_q8(const int8_t *qx, const float *dx, const int mb, const int R, int64_t K,
+                    const uint8_t *w, int64_t row_bytes, const float *scale, const float *mins,
+                    int64_t G, int kind, const float *xsum, float *out) {
+    if (G == 32) tile_q8_pg(qx, dx, mb, R, K, w, row_bytes, scale, mins, 32, kind, xsum, out, 1);
+    else tile_q8_pg(qx, dx, mb, R, K, w, row_bytes, scale, mins, G, kind, xsum, out, G / 32);
 }
 
 /* Rows of x four (then 2, 3 or 1) at a time against R weight rows; R * mb <= 8 chains. */
