@@ -103,6 +103,41 @@ def test_paged_attention_matches_reference(window, d, requests):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_attention_batched_equals_each_request_alone(window):
+    """Many requests run one task per request over all heads (sequential cache reads); a
+    lone short request runs per KV head. Same arithmetic, so bit-identical outputs."""
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, d, bs = 9, 3, 64, 4
+    k_cache, v_cache = torch.randn(60, bs, hkv, d, generator=g), torch.randn(60, bs, hkv, d, generator=g)
+    q_lens, seq_lens = [1, 2, 1, 1, 3, 1], [5, 17, 30, 1, 12, 25]
+    perm = torch.randperm(60, generator=g).tolist()
+    tables, used = [], 0
+    for s in seq_lens:
+        tables.append(perm[used:used + -(-s // bs)])
+        used += len(tables[-1])
+    q = torch.randn(sum(q_lens), hq, d, generator=g)
+
+    def run(rows, lens, seqs, tabs):
+        meta = AttentionMetadata.build(lens, seqs, tabs, bs, "cpu")
+        out = torch.full_like(rows, float("nan"))
+        assert cpu_ops.paged_attention(rows, k_cache, v_cache, meta.block_tables,
+                                       meta.query_start_loc[:-1], torch.tensor(lens),
+                                       meta.seq_lens, 0.125, window, out)
+        return out
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        batched = run(q, q_lens, seq_lens, tables)
+        start, alone = 0, []
+        for n, s, t in zip(q_lens, seq_lens, tables):
+            alone.append(run(q[start:start + n], [n], [s], [t]))
+            start += n
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batched, torch.cat(alone))
+
+
 def test_disabled_kernels_return_none():
     cpu_ops.set_enabled(False)
     try:

@@ -168,6 +168,81 @@ static void attend(const float *qv, int64_t G, int64_t D, const void *k_cache, c
     }
 }
 
+/* All Hq query heads of one row over keys first .. first + n - 1, float32 cache (D % 32 ==
+ * 0): each key's K row and V row (every KV head, contiguous) are read once, in slot order,
+ * so a block is one sequential stretch, instead of one strided pass per KV head. The
+ * arithmetic per head is scores_f32's and weighted_values_f32's, in the same order, so
+ * the result is bit-identical to attend(). scores [Hq][n], stats [2 Hq], o [Hq][D]. */
+static void attend_heads_f32(const float *qv, int64_t Hq, int64_t Hkv, int64_t D,
+                             const float *k_cache, const float *v_cache, const int64_t *table,
+                             int64_t bs, int64_t first, int64_t n, float scale, float *o,
+                             float *scores, float *stats) {
+    const int64_t group = Hq / Hkv, row_len = Hkv * D;
+    int64_t blk = first / bs, off = first % bs, j = 0;
+    /* a second cursor ATT_PF keys ahead prefetches whole rows (the loads below wait on
+     * cache misses otherwise: each key's row is a new stretch of the cache) */
+    int64_t pf = first, pf_blk = blk, pf_off = off;
+    for (int k = 0; k < ATT_PF && pf < first + n; k++, pf++)
+        if (++pf_off == bs) { pf_off = 0; pf_blk++; }
+    for (; j + 4 <= n; j += 4) {
+        const float *rows[4];
+        for (int r = 0; r < 4; r++) {
+            rows[r] = k_cache + (table[blk] * bs + off) * row_len;
+            if (++off == bs) { off = 0; blk++; }
+            if (pf < first + n) {
+                prefetch_row(k_cache + (table[pf_blk] * bs + pf_off) * row_len, row_len);
+                pf++;
+                if (++pf_off == bs) { pf_off = 0; pf_blk++; }
+            }
+        }
+        for (int64_t h = 0; h < Hq; h++) {
+            const float *qh = qv + h * D;
+            const int64_t kv = (h / group) * D;
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) {
+                __m256 x = _mm256_loadu_ps(qh + d);
+                a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[0] + kv + d), a0);
+                a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[1] + kv + d), a1);
+                a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[2] + kv + d), a2);
+                a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[3] + kv + d), a3);
+            }
+            _mm_storeu_ps(scores + h * n + j, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
+        }
+    }
+    for (; j < n; j++) {
+        const float *row = k_cache + (table[blk] * bs + off) * row_len;
+        if (++off == bs) { off = 0; blk++; }
+        for (int64_t h = 0; h < Hq; h++) scores[h * n + j] = dot(qv + h * D, row + (h / group) * D, D) * scale;
+    }
+    softmax_rows(scores, Hq, n, stats, stats + Hq);
+    memset(o, 0, sizeof(float) * (size_t)(Hq * D));
+    blk = first / bs; off = first % bs;
+    pf = first; pf_blk = blk; pf_off = off;
+    for (int k = 0; k < ATT_PF && pf < first + n; k++, pf++)
+        if (++pf_off == bs) { pf_off = 0; pf_blk++; }
+    for (j = 0; j < n; j++) {
+        const float *row = v_cache + (table[blk] * bs + off) * row_len;
+        if (++off == bs) { off = 0; blk++; }
+        if (pf < first + n) {
+            prefetch_row(v_cache + (table[pf_blk] * bs + pf_off) * row_len, row_len);
+            pf++;
+            if (++pf_off == bs) { pf_off = 0; pf_blk++; }
+        }
+        for (int64_t h = 0; h < Hq; h++) {
+            const __m256 w = _mm256_set1_ps(scores[h * n + j]);
+            const float *vh = row + (h / group) * D;
+            float *oh = o + h * D;
+            for (int64_t d = 0; d < D; d += 8)
+                _mm256_storeu_ps(oh + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vh + d), _mm256_loadu_ps(oh + d)));
+        }
+    }
+    for (int64_t h = 0; h < Hq; h++) {
+        const float inv = 1.0f / stats[Hq + h];
+        for (int64_t d = 0; d < D; d++) o[h * D + d] *= inv;
+    }
+}
+
 /* Few requests (fewer KV heads in flight than 2 x threads): one query row's keys are split
  * into nthreads runs, each task takes every head over its run (a run of slots is one
  * contiguous stretch of each block: sequential reads, each K/V row read once), and the
@@ -224,9 +299,10 @@ static int attend_split(const float *qv, int64_t Hq, int64_t D, const void *k_ca
     return failed;
 }
 
-/* One task = one request x a run of query heads sharing a KV head (the whole GQA group
- * when there are enough tasks to keep every thread busy, else one head), all of that
- * request's query tokens.
+/* One task = one request x a run of query heads: every head when requests alone keep every
+ * thread busy (float32 caches: attend_heads_f32), else the heads sharing a KV head (the
+ * whole GQA group when there are enough tasks, else one head); all of that request's
+ * query tokens.
  * q [T, Hq, D] with q_stride floats between tokens, out [T, Hq, D] contiguous; caches
  * float32, or int8 with a float scale per slot per KV head (k_scale / v_scale non-NULL:
  * value = scale[block, offset, head] * int8); [num_blocks, bs, Hkv, D]; block_tables [B, bt_stride];
@@ -241,7 +317,10 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
                        const int64_t *seq_len, float scale, int64_t window, float *out,
                        int nthreads) {
     const int64_t group = Hq / Hkv;
-    const int64_t G = (B * Hkv >= 2 * nthreads && group <= ATT_MAX_G) ? group : 1;
+    /* enough requests to keep every thread busy with whole requests: one task per request,
+     * all heads at once (sequential cache reads); float32 caches only */
+    const int all_heads = !k_scale && !v_scale && D % 32 == 0 && B >= 2 * nthreads;
+    const int64_t G = all_heads ? Hq : (B * Hkv >= 2 * nthreads && group <= ATT_MAX_G) ? group : 1;
     const int64_t runs = Hq / G;   /* head runs per request */
     int64_t max_len = 1;
     for (int64_t b = 0; b < B; b++) if (seq_len[b] > max_len) max_len = seq_len[b];
@@ -264,7 +343,7 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
     }
     #pragma omp parallel num_threads(nthreads) if (B * runs > 1)
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(G * max_len + 8));
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(G * max_len + 2 * Hq + 8));
         if (!scores) {
             #pragma omp atomic write
             failed = 1;
@@ -278,9 +357,15 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
                 for (int64_t i = 0; i < q_len[b]; i++) {
                     const int64_t row = q_start[b] + i, p = ctx + i;
                     const int64_t first = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
-                    attend(q + row * q_stride + h0 * D, G, D, k_cache, v_cache, k_scale, v_scale,
-                           table, bs, Hkv, kvh, first, p - first + 1, scale,
-                           out + (row * Hq + h0) * D, scores, NULL, NULL);
+                    if (all_heads)
+                        attend_heads_f32(q + row * q_stride, Hq, Hkv, D, (const float *)k_cache,
+                                         (const float *)v_cache, table, bs, first, p - first + 1,
+                                         scale, out + row * Hq * D, scores,
+                                         scores + G * max_len);
+                    else
+                        attend(q + row * q_stride + h0 * D, G, D, k_cache, v_cache, k_scale, v_scale,
+                               table, bs, Hkv, kvh, first, p - first + 1, scale,
+                               out + (row * Hq + h0) * D, scores, NULL, NULL);
                 }
             }
         }
