@@ -29,12 +29,17 @@ class RunnerRequestState:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output + this step's drafts, without building the
+        whole sequence (a decode step asks for one token of a long one)."""
         n = len(self.prompt_token_ids)
         if end <= n:
             return self.prompt_token_ids[start:end]
-        if end > self.num_tokens:   # the step's draft tokens follow the newest token
-            return (self.prompt_token_ids + self.output_token_ids + self.spec_token_ids)[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        head = self.prompt_token_ids[start:] if start < n else []
+        tail = self.output_token_ids[max(start - n, 0):end - n]
+        m = n + len(self.output_token_ids)
+        if end > m:   # the step's draft tokens follow the newest token
+            tail = tail + self.spec_token_ids[max(start - m, 0):end - m]
+        return head + tail
 
 
 @dataclass
