@@ -168,6 +168,31 @@ static void attend(const float *qv, int64_t G, int64_t D, const void *k_cache, c
     }
 }
 
+/* Walks the keys first, first + 1, .. of a run through a block table, one slot row of
+ * row_len floats each, prefetching the row ATT_PF keys ahead while inside the run (the
+ * loads wait on cache misses otherwise: each key's row is a new stretch of the cache). */
+typedef struct { int64_t blk, off, pf, pf_blk, pf_off, end; } slot_walk;
+
+static inline slot_walk walk_from(int64_t first, int64_t n, int64_t bs) {
+    slot_walk w = {first / bs, first % bs, first, first / bs, first % bs, first + n};
+    for (int k = 0; k < ATT_PF && w.pf < w.end; k++, w.pf++)
+        if (++w.pf_off == bs) { w.pf_off = 0; w.pf_blk++; }
+    return w;
+}
+
+/* The current key's row; steps to the next key. */
+static inline const float *walk_next(slot_walk *w, const float *cache, const int64_t *table,
+                                     int64_t bs, int64_t row_len) {
+    const float *row = cache + (table[w->blk] * bs + w->off) * row_len;
+    if (++w->off == bs) { w->off = 0; w->blk++; }
+    if (w->pf < w->end) {
+        prefetch_row(cache + (table[w->pf_blk] * bs + w->pf_off) * row_len, row_len);
+        w->pf++;
+        if (++w->pf_off == bs) { w->pf_off = 0; w->pf_blk++; }
+    }
+    return row;
+}
+
 /* All Hq query heads of one row over keys first .. first + n - 1, float32 cache (D % 32 ==
  * 0): each key's K row and V row (every KV head, contiguous) are read once, in slot order,
  * so a block is one sequential stretch, instead of one strided pass per KV head. The
@@ -178,23 +203,11 @@ static void attend_heads_f32(const float *qv, int64_t Hq, int64_t Hkv, int64_t D
                              int64_t bs, int64_t first, int64_t n, float scale, float *o,
                              float *scores, float *stats) {
     const int64_t group = Hq / Hkv, row_len = Hkv * D;
-    int64_t blk = first / bs, off = first % bs, j = 0;
-    /* a second cursor ATT_PF keys ahead prefetches whole rows (the loads below wait on
-     * cache misses otherwise: each key's row is a new stretch of the cache) */
-    int64_t pf = first, pf_blk = blk, pf_off = off;
-    for (int k = 0; k < ATT_PF && pf < first + n; k++, pf++)
-        if (++pf_off == bs) { pf_off = 0; pf_blk++; }
+    slot_walk keys = walk_from(first, n, bs);
+    int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
         const float *rows[4];
-        for (int r = 0; r < 4; r++) {
-            rows[r] = k_cache + (table[blk] * bs + off) * row_len;
-            if (++off == bs) { off = 0; blk++; }
-            if (pf < first + n) {
-                prefetch_row(k_cache + (table[pf_blk] * bs + pf_off) * row_len, row_len);
-                pf++;
-                if (++pf_off == bs) { pf_off = 0; pf_blk++; }
-            }
-        }
+        for (int r = 0; r < 4; r++) rows[r] = walk_next(&keys, k_cache, table, bs, row_len);
         for (int64_t h = 0; h < Hq; h++) {
             const float *qh = qv + h * D;
             const int64_t kv = (h / group) * D;
@@ -211,24 +224,14 @@ static void attend_heads_f32(const float *qv, int64_t Hq, int64_t Hkv, int64_t D
         }
     }
     for (; j < n; j++) {
-        const float *row = k_cache + (table[blk] * bs + off) * row_len;
-        if (++off == bs) { off = 0; blk++; }
+        const float *row = walk_next(&keys, k_cache, table, bs, row_len);
         for (int64_t h = 0; h < Hq; h++) scores[h * n + j] = dot(qv + h * D, row + (h / group) * D, D) * scale;
     }
     softmax_rows(scores, Hq, n, stats, stats + Hq);
     memset(o, 0, sizeof(float) * (size_t)(Hq * D));
-    blk = first / bs; off = first % bs;
-    pf = first; pf_blk = blk; pf_off = off;
-    for (int k = 0; k < ATT_PF && pf < first + n; k++, pf++)
-        if (++pf_off == bs) { pf_off = 0; pf_blk++; }
+    slot_walk values = walk_from(first, n, bs);
     for (j = 0; j < n; j++) {
-        const float *row = v_cache + (table[blk] * bs + off) * row_len;
-        if (++off == bs) { off = 0; blk++; }
-        if (pf < first + n) {
-            prefetch_row(v_cache + (table[pf_blk] * bs + pf_off) * row_len, row_len);
-            pf++;
-            if (++pf_off == bs) { pf_off = 0; pf_blk++; }
-        }
+        const float *row = walk_next(&values, v_cache, table, bs, row_len);
         for (int64_t h = 0; h < Hq; h++) {
             const __m256 w = _mm256_set1_ps(scores[h * n + j]);
             const float *vh = row + (h / group) * D;
