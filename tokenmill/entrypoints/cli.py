@@ -44,7 +44,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "class compiles for tens of seconds")
     g.add_argument("--no-cpu-weight-prepack", dest="cpu_weight_prepack", action="store_false",
                    help="don't keep a oneDNN-layout copy of float32 weights for prefill / batched "
-                        "matmuls (saves the float weights' memory again, costs 1.2-2x GEMM speed)")
+                        "matmuls (saves the float weights' memory again; batched GEMMs up to 2x slower)")
     g.add_argument("--speculative-config", default=None,
                    help='speculative decoding, JSON: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--speculative-model", default=None, help="draft model, or [ngram] for prompt lookup")
