@@ -12,6 +12,22 @@ static inline void prefetch_row(const float *row, int64_t D) {
     for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char *)(row + d), _MM_HINT_T0);
 }
 
+/* q . rows[r] + off for four key rows at once (D % 8 == 0), times scale: the block both
+ * score loops use, so their arithmetic is one and the same. */
+static inline __m128 dot4_scaled(const float *q, const float *const rows[4], int64_t off,
+                                 int64_t D, float scale) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 x = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[0] + off + d), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[1] + off + d), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[2] + off + d), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[3] + off + d), a3);
+    }
+    return _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale));
+}
+
 /* Scores of G query heads (sharing one KV head) against n keys, float32 cache, D % 16 == 0.
  * Each key row is loaded once for all G heads; four keys are reduced together. */
 static void scores_f32(const float *qv, int64_t G, int64_t D, const float *k_cache,
@@ -36,19 +52,8 @@ static void scores_f32(const float *qv, int64_t G, int64_t D, const float *k_cac
                 if (++pf_off == bs) { pf_off = 0; pf_blk++; }
             }
         }
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = qv + g * D;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) {
-                __m256 x = _mm256_loadu_ps(qg + d);
-                a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[0] + d), a0);
-                a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[1] + d), a1);
-                a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[2] + d), a2);
-                a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[3] + d), a3);
-            }
-            _mm_storeu_ps(scores + g * n + j, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
-        }
+        for (int64_t g = 0; g < G; g++)
+            _mm_storeu_ps(scores + g * n + j, dot4_scaled(qv + g * D, rows, 0, D, scale));
     }
     for (; j < n; j++) {
         const float *row = k_cache + ((table[blk] * bs + off) * Hkv + kvh) * D;
@@ -208,20 +213,8 @@ static void attend_heads_f32(const float *qv, int64_t Hq, int64_t Hkv, int64_t D
     for (; j + 4 <= n; j += 4) {
         const float *rows[4];
         for (int r = 0; r < 4; r++) rows[r] = walk_next(&keys, k_cache, table, bs, row_len);
-        for (int64_t h = 0; h < Hq; h++) {
-            const float *qh = qv + h * D;
-            const int64_t kv = (h / group) * D;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) {
-                __m256 x = _mm256_loadu_ps(qh + d);
-                a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[0] + kv + d), a0);
-                a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[1] + kv + d), a1);
-                a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[2] + kv + d), a2);
-                a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[3] + kv + d), a3);
-            }
-            _mm_storeu_ps(scores + h * n + j, _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale)));
-        }
+        for (int64_t h = 0; h < Hq; h++)
+            _mm_storeu_ps(scores + h * n + j, dot4_scaled(qv + h * D, rows, (h / group) * D, D, scale));
     }
     for (; j < n; j++) {
         const float *row = walk_next(&keys, k_cache, table, bs, row_len);

@@ -63,7 +63,7 @@ def fast_paths_on() -> bool:
 def active() -> bool:
     """True when the kernels are turned on and built for this machine (and not while
     torch.compile traces: there the plain torch ops are what the compiler fuses)."""
-    if not _enabled or torch.compiler.is_compiling():
+    if not fast_paths_on():
         return False
     return _lib is not None or _load() is not None
 
