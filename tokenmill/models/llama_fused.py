@@ -19,8 +19,8 @@ from torch import nn
 from tokenmill.layers import cpu_ops
 
 
-DEC_PARTS, DEC_FIELDS = 4, 7   # cpu_decode.c: parts per linear, int64 fields per part
-_NO_PART = [-2, 0, 0, 0, 0, 0, 0]
+DEC_PARTS, DEC_FIELDS = 4, 10   # cpu_decode.c: parts per linear, int64 fields per part
+_NO_PART = [-2] + [0] * (DEC_FIELDS - 1)
 
 
 def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
@@ -37,7 +37,7 @@ def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
         w = getattr(lin, "weight", None)
         if not (_fp32_cpu(w) and w.is_contiguous()):
             return None
-        return [-1, w.data_ptr(), 0, 0, 0, w.shape[0], 0] + _NO_PART * (DEC_PARTS - 1), w
+        return [-1, w.data_ptr(), 0, 0, 0, w.shape[0], 0, 0, 0, 0] + _NO_PART * (DEC_PARTS - 1), w
     if not (isinstance(method, PackedLinearMethod) and type(method).apply is PackedLinearMethod.apply
             and method.use_kernel and method.kernel_max_rows >= cpu_ops.LINEAR_MAX_ROWS):
         return None
@@ -51,8 +51,17 @@ def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
             return None
         desc += [kernels.kind_code(_KINDS[p.kind], p.scales), p.qweight.data_ptr(), p.scales.data_ptr(),
                  p.mins.data_ptr() if p.mins is not None else 0, p.group_size, p.out_features,
-                 p.perm.data_ptr() if p.perm is not None else 0]
+                 p.perm.data_ptr() if p.perm is not None else 0] + _tiled_fields(p)
     return desc + _NO_PART * (DEC_PARTS - len(parts)), parts
+
+
+def _tiled_fields(p) -> list[int]:
+    """The tiled copy's addresses (qw, sc, mn or corr) for q8 steps, zeros without one."""
+    t = p.tiled
+    if t is None:
+        return [0, 0, 0]
+    extra = t.mn if t.mn is not None else t.corr
+    return [t.qw.data_ptr(), t.sc.data_ptr(), extra.data_ptr()]
 
 
 class _StackPlan:

@@ -10,6 +10,7 @@ from tokenmill.layers.quant import (attach_quantization, checkpoint_tensors,
                                     process_weights_after_loading, resolve_quant_spec)
 from tokenmill.layers.quant.embedding import share_packed_head_with_embedding
 from tokenmill.layers.quant.methods import PackedLinearMethod
+from tokenmill.layers.quant.qgemm import tile_packed_linears
 from tokenmill.models.registry import model_class
 from tokenmill.models.weights import load_weights
 
@@ -22,7 +23,8 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     checkpoint (GPTQ, AWQ, FP8 config) brings its own scheme. ``quant_activations``: "fp32"
     / "q8" for the packed linears' decode matmuls (None: the process default).
     ``cpu_weight_prepack``: float32 CPU linears get a oneDNN copy of their weight
-    (layers/prepacked.py); ``model.prepacked_bytes`` says what it added."""
+    (layers/prepacked.py), and packed int8 / int4 linears with q8 activations a tiled copy
+    for the VNNI GEMM (layers/quant/qgemm.py); ``model.prepacked_bytes`` says what it added."""
     cfg = dict(checkpoint.hf_config)
     # RoPE tables only need to cover the context we serve.
     cfg["max_position_embeddings"] = max(max_model_len, 1)
@@ -39,7 +41,8 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
         for m in model.modules():
             if isinstance(getattr(m, "quant_method", None), PackedLinearMethod):
                 m.quant_method.activations = quant_activations
-    model.prepacked_bytes = prepack_linears(model) if cpu_weight_prepack else 0
+    model.prepacked_bytes = prepack_linears(model) + tile_packed_linears(model) \
+        if cpu_weight_prepack else 0
     model.quantization_method = spec.method   # what runs (a checkpoint's own scheme too)
     model.eval()
     return model

@@ -34,6 +34,7 @@ class Packed:
     in_features: int
     perm: Optional[torch.Tensor] = None
     kernel_ok: Optional[bool] = None   # cached by matmul.packed_linear (shapes never change)
+    tiled: Optional[object] = None     # qgemm.Tiled: the q8 GEMM's copy, made at load (qgemm.py)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         named = {"qweight": self.qweight, "scales": self.scales}

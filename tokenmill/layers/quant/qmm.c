@@ -211,6 +211,18 @@ void tm_quantize_q8(const float *x, int64_t M, int64_t K, int8_t *qx, float *dx)
         }
 }
 
+/* Sum of four u8 x s8 products per int32 lane. AVX-512 VNNI (built in where the CPU has
+ * it, kernels.py) does it in one instruction; AVX2 needs two, with the same lanes: each
+ * lane's four products are exact integers, so both give identical sums (no saturation:
+ * |u| <= 128 and |s| <= 127 keep every int16 pair sum of vpmaddubsw below 2^15). */
+INLINE __m256i dot_u8s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
 INLINE __m256i load_w32(const uint8_t *w, int64_t k, int kind) {
     if ((kind & 7) == 1) {   /* 16 bytes -> 32 values 0..15 in order (low nibbles first):
                                 * the bytes in both lanes, the high lane shifted by 4 */
@@ -230,7 +242,6 @@ INLINE void tile_q8_pg(const int8_t *qx, const float *dx, const int mb, const in
                        int64_t G, int kind, const float *xsum, float *out, const int64_t per_group) {
     const int64_t ngroups = K / G, nb = K / 32;
     const int i4 = (kind & 7) == 1;
-    const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[4][4];
     float lin[4][4];
     for (int m = 0; m < mb; m++)
@@ -262,7 +273,7 @@ INLINE void tile_q8_pg(const int8_t *qx, const float *dx, const int mb, const in
                 __m256i wu = i4 ? wv : _mm256_sign_epi8(wv, wv);   /* unsigned operand */
                 for (int m = 0; m < mb; m++) {
                     __m256i x = i4 ? xv[m] : _mm256_sign_epi8(xv[m], wv);
-                    __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), ones);
+                    __m256i dot = dot_u8s8(wu, x);
                     acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                                 _mm256_set1_ps(sc[r] * dx[m * nb + b]), acc[m][r]);
                 }
@@ -348,3 +359,7 @@ int tm_qmm_q8(const float *x, int64_t M, int64_t K, const uint8_t *w, const floa
     free(qx); free(dx); free(xsum);
     return 0;
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include "qgemm.c"   /* the many-row q8 GEMM on a row-interleaved layout */
+#endif

@@ -1,0 +1,137 @@
+"""The tiled q8 GEMM (AVX-512 VNNI) against the plain-PyTorch q8 reference and the
+streaming q8 kernel; its load-time copies and where the engine uses them."""
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers.quant import formats as F
+from tokenmill.layers.quant import kernels, qgemm
+from tokenmill.layers.quant.matmul import packed_linear, reference_linear
+
+needs_vnni = pytest.mark.skipif(not qgemm.available(), reason="tiled kernel needs AVX-512 VNNI")
+
+
+def _packed(kind: str, n: int, k: int, seed: int) -> F.Packed:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    if kind == "i8":          # per-channel: one group of K
+        return F.quantize_int8(w)
+    if kind == "i8-g32":      # GGUF Q8_0: float16 block scales
+        q = F.quantize_int8(w)
+        return F.Packed("i8", q.qweight, (torch.rand(n, k // 32, generator=g) + 0.1).half(), None,
+                        32, n, k)
+    group = int(kind.split("-g")[1])
+    p = F.quantize_int4(w, group)
+    if group == 32:           # GGUF Q4_1: float16 scales and mins
+        p.scales, p.mins = p.scales.half(), p.mins.half()
+    return p
+
+
+def test_tile_layout_refuses_other_kinds():
+    p = F.quantize_fp8(torch.randn(16, 64))
+    assert not qgemm.applies(p)
+    with pytest.raises(ValueError, match="int8 / int4"):
+        qgemm.tile(p)
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", ["i8", "i8-g32", "i4-g32", "i4-g64", "i4-g128"])
+@pytest.mark.parametrize("n,k", [(16, 128), (40, 256), (200, 384), (33, 1536)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 70])
+def test_tiled_kernel_matches_q8_reference(kind, n, k, rows):
+    """N not a multiple of 16 leaves the last tile part empty; rows past 8 take several passes."""
+    p = _packed(kind, n, k, n + k + rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3
+    ref = reference_linear(x, p, activations="q8")
+    got = qgemm.qgemm_q8(x, qgemm.tile(p))
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", ["i8-g32", "i4-g32"])
+def test_tiled_kernel_agrees_with_the_streaming_q8_kernel(kind):
+    """Same integer block dots and scales: only the float summation order differs, and a row's
+    result does not depend on the other rows of the call."""
+    p = _packed(kind, 96, 576, 7)
+    x = torch.randn(24, 576)
+    stream = kernels.qmm_q8(x, kernels.KIND_I8 if p.kind == "i8" else kernels.KIND_I4, p.qweight,
+                            p.scales, p.mins, p.group_size, p.out_features)
+    tiled = qgemm.tile(p)
+    got = qgemm.qgemm_q8(x, tiled)
+    torch.testing.assert_close(got, stream, rtol=1e-5, atol=1e-5 * stream.abs().max().item())
+    assert torch.equal(qgemm.qgemm_q8(x[5:6].contiguous(), tiled), got[5:6])   # batch invariant
+
+
+@needs_vnni
+def test_packed_linear_takes_the_tiles_only_with_q8_activations():
+    p = _packed("i4-g32", 48, 256, 3)
+    p.tiled = qgemm.tile(p)
+    x = torch.randn(40, 256)
+    q8 = packed_linear(x, p, activations="q8")
+    assert torch.equal(q8, qgemm.qgemm_q8(x, p.tiled))
+    fp32 = packed_linear(x, p, activations="fp32")          # float activations: no rounding
+    torch.testing.assert_close(fp32, reference_linear(x, p), rtol=1e-4, atol=1e-4)
+    assert not torch.equal(fp32, q8)
+
+
+@needs_vnni
+def test_engine_tiles_q8_linears_and_fuses_them(tiny_llama_dir):
+    """quant_activations="q8" tiles every int8 linear at load (counted as prepacked weights)
+    and the one-call decode stack reads the same tiles; without prepacking nothing is tiled,
+    and the streaming q8 kernel taking every step (the 38-token prefill too) gives the same
+    tokens and logprobs up to summation order."""
+    from tokenmill.models import llama_fused
+    params = dict(temperature=0.0, max_tokens=8, logprobs=0)
+    prompts = [{"prompt_token_ids": [1, 5, 9, 11, 3]}, {"prompt_token_ids": list(range(2, 40))}]
+    q8 = LLM(model=tiny_llama_dir, quantization="int8", quant_activations="q8", skip_tokenizer_init=True)
+    model = q8.engine.model
+    parts = [p for m in model.modules() for p in getattr(m, "packed", [])]
+    assert parts and all(p.tiled is not None for p in parts)
+    assert q8.get_memory_stats()["prepacked_weights"] >= sum(p.tiled.nbytes() for p in parts)
+    plan = llama_fused.stack_plan(model)
+    assert plan is not None
+    fields = plan.linears.view(-1, llama_fused.DEC_FIELDS)
+    assert (fields[fields[:, 0] != -2][:, 7] != 0).all()   # every part's tiled address passed
+    plain = LLM(model=tiny_llama_dir, quantization="int8", quant_activations="q8",
+                skip_tokenizer_init=True, cpu_weight_prepack=False)
+    packed = [m for m in plain.engine.model.modules() if getattr(m, "packed", None)]
+    assert all(p.tiled is None for m in packed for p in m.packed)
+    for m in packed:   # the streaming q8 kernel at every row count: the same arithmetic
+        m.quant_method.kernel_max_rows = 1 << 30
+    a = q8.generate(prompts, SamplingParams(**params), use_tqdm=False)
+    b = plain.generate(prompts, SamplingParams(**params), use_tqdm=False)
+    for x, y in zip(a, b):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        lx = [next(iter(d.values())).logprob for d in x.outputs[0].logprobs]
+        ly = [next(iter(d.values())).logprob for d in y.outputs[0].logprobs]
+        assert abs(lx[0] - ly[0]) < 1e-4   # the prefill step: summation order only
+        # later steps: a last-bit difference can move one activation across an int8
+        # rounding boundary (seen: 0.025 nats at step 7 of 8)
+        assert max(abs(u - v) for u, v in zip(lx, ly)) < 0.1
+
+
+@pytest.fixture(scope="module")
+def both_builds(tmp_path_factory):
+    """The kernel library built without and with AVX-512 VNNI."""
+    import ctypes
+    out = tmp_path_factory.mktemp("qmm_builds")
+    return [kernels.declare(ctypes.CDLL(kernels.build_shared_library(
+        kernels._SOURCE, str(out), kernels.build_flags(vnni)))) for vnni in (False, True)]
+
+
+@needs_vnni
+@pytest.mark.parametrize("kind", ["i8-g32", "i4-g32", "i4-g64"])
+def test_streaming_q8_kernel_is_bit_identical_in_both_builds(kind, both_builds):
+    """The VNNI build's one-instruction dot product (qmm.c dot_u8s8) sums the same exact
+    integers in the same lanes as the AVX2 pair of instructions."""
+    p = _packed(kind, 72, 576, 11)
+    x = torch.randn(13, 576) * 5
+    outs = []
+    for lib, vnni in zip(both_builds, (False, True)):
+        assert hasattr(lib, "tm_qgemm_q8") == vnni
+        y = torch.empty(13, 72)
+        assert lib.tm_qmm_q8(x.data_ptr(), 13, 576, p.qweight.data_ptr(), p.scales.data_ptr(),
+                             p.mins.data_ptr() if p.mins is not None else None, p.group_size, 72,
+                             kernels.kind_code(0 if p.kind == "i8" else 1, p.scales), y.data_ptr(), 2) == 0
+        outs.append(y)
+    assert torch.equal(outs[0], outs[1])

@@ -1,0 +1,115 @@
+"""Many-row q8 matmuls of int8 / int4 weights (qgemm.c, AVX-512 VNNI CPUs).
+
+A packed weight gets a second, tiled copy (``tile``): sixteen weight rows interleaved per
+32-value block, so one VNNI instruction multiplies four values of 16 rows at once and the
+block scales cost one multiply-add per 16 rows (the layout is drawn in qgemm.c). It serves
+the steps with more rows than the streaming kernel takes (prefill chunks, batched decode)
+when activations are q8: what the streaming kernel computes (activations rounded to int8
+per run of 32, exact integer block dots, int4's min term on the exact float group sums),
+summed in another order. Elsewhere (no VNNI, fp32 activations) nothing is tiled and
+matmul.py dequantizes for a float GEMM as before.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from tokenmill.layers.quant import kernels
+from tokenmill.layers.quant.formats import Packed, unpack_int4
+
+TILE = 16   # weight rows per tile (QG_TILE)
+
+
+@dataclass
+class Tiled:
+    """qgemm.c's layout of one packed weight (arrays named as there)."""
+    kind: int                       # kernels.KIND_I8 / KIND_I4
+    qw: torch.Tensor                # uint8 [tiles, K/32, 256 (i4) or 512 (i8)]
+    sc: torch.Tensor                # float32 [tiles, K/32, 16]
+    mn: Optional[torch.Tensor]      # float32 [tiles, K/G, 16] (i4)
+    corr: Optional[torch.Tensor]    # int32 [tiles, K/32, 16] (i8)
+    group_size: int
+    out_features: int
+    in_features: int
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qw, self.sc, self.mn, self.corr)
+                   if t is not None)
+
+
+def available() -> bool:
+    lib = kernels.load()
+    return lib is not None and hasattr(lib, "tm_qgemm_q8")
+
+
+def applies(p: Packed) -> bool:
+    """Kinds and shapes the tiled kernel takes (the same as the streaming q8 kernel's)."""
+    return (p.kind in ("i8", "i4") and p.group_size % 32 == 0 and p.in_features % p.group_size == 0
+            and p.qweight.device.type == "cpu")
+
+
+def _by_tile(a: torch.Tensor, n: int) -> torch.Tensor:
+    """[N, C] -> [tiles, C, 16], rows past N zero."""
+    tiles = -(-n // TILE)
+    padded = a.new_zeros(tiles * TILE, a.shape[1])
+    padded[:n] = a
+    return padded.view(tiles, TILE, a.shape[1]).transpose(1, 2).contiguous()
+
+
+def tile(p: Packed) -> Tiled:
+    """The tiled copy of a packed int8 / int4 weight (stored column order, like the kernels)."""
+    if not applies(p):
+        raise ValueError(f"the tiled q8 kernel takes int8 / int4 weights with groups of a multiple "
+                         f"of 32, not {p.kind} with group {p.group_size}")
+    n, k, g = p.out_features, p.in_features, p.group_size
+    nb = k // 32
+    scales = p.scales.float().repeat_interleave(g // 32, dim=1)           # [N, K/32]
+    if p.kind == "i4":
+        q = unpack_int4(p.qweight).view(n, nb * 32)
+        steps = _by_tile(q, n).view(-1, nb, 8, 4, TILE).transpose(2, 3)  # [t, b, 4 bytes, 8 steps, 16]
+        # byte (p, j, i): value 4 * 2p + i in the low nibble, value 4 * (2p + 1) + i in the high one
+        steps = steps.reshape(-1, nb, 4, 4, 2, TILE).permute(0, 1, 3, 5, 2, 4)   # [t, b, p, j, i, lo/hi]
+        qw = (steps[..., 0] | (steps[..., 1] << 4)).reshape(-1, nb, 256).contiguous()
+        return Tiled(kernels.KIND_I4, qw, _by_tile(scales, n), _by_tile(p.mins.float(), n), None,
+                     g, n, k)
+    q = p.qweight.view(torch.int8).view(n, nb * 32)
+    steps = _by_tile(q, n).view(-1, nb, 8, 4, TILE).permute(0, 1, 2, 4, 3)   # [t, b, s, j, i]
+    qw = steps.reshape(-1, nb, 512).contiguous().view(torch.uint8)
+    corr = -128 * q.view(n, nb, 32).sum(dim=2, dtype=torch.int32)
+    return Tiled(kernels.KIND_I8, qw, _by_tile(scales, n), None, _by_tile(corr, n), g, n, k)
+
+
+def qgemm_q8(x: torch.Tensor, t: Tiled) -> torch.Tensor:
+    """x [M, K] float32 contiguous (stored column order) -> [M, N] float32."""
+    m, k = x.shape
+    y = torch.empty(m, t.out_features, dtype=torch.float32)
+    lib = kernels.load()
+    if lib.tm_qgemm_q8(x.data_ptr(), m, k, t.kind, t.qw.data_ptr(), t.sc.data_ptr(),
+                       t.mn.data_ptr() if t.mn is not None else None,
+                       t.corr.data_ptr() if t.corr is not None else None,
+                       t.group_size, t.out_features, y.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("tiled q8 matmul could not allocate its activation buffer")
+    return y
+
+
+def tile_packed_linears(model: nn.Module) -> int:
+    """Give every int8 / int4 part of the packed linears that take q8 activations its tiled
+    copy (where this CPU runs the tiled kernel); returns the bytes added."""
+    from tokenmill.layers.quant.matmul import activation_mode, kernel_applies
+    from tokenmill.layers.quant.methods import PackedLinearMethod
+    if not available():
+        return 0
+    added = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if not (isinstance(method, PackedLinearMethod) and method.use_kernel
+                and (method.activations or activation_mode()) == "q8"):
+            continue
+        for part in module.packed:
+            if part.tiled is None and applies(part) and kernel_applies(part):
+                part.tiled = tile(part)
+                added += part.tiled.nbytes()
+    return added
