@@ -35,7 +35,8 @@ class ModelConfig:
     # CPU float32 linears keep a second copy of each weight in oneDNN's blocked layout for
     # many-row matmuls (prefill, batched decode): 1.2-2x faster GEMMs at 32-512 rows on this
     # AVX2 box (about even with MKL around 256 rows), for the float weights' memory once
-    # more. Ignored off CPU and for quantized layers.
+    # more. Ignored off CPU. Packed int8 / int4 linears with q8 activations get a tiled
+    # copy of their weights the same way (layers/quant/qgemm.py).
     cpu_weight_prepack: bool = True
 
     def __post_init__(self) -> None:

@@ -18,6 +18,10 @@ Ablations (--only picks some):
   weight_prepack      off: float32 linears multiply by MKL on the plain weights, without the
                       oneDNN-layout copy (cpu_weight_prepack=False); a quantized model's
                       packed linears are the same either way
+  q8_tiles            on: --quant-scheme weights with q8 activations, int8 / int4 linears on
+                      the tiled q8 GEMM (layers/quant/qgemm.py) at every row count; off: the
+                      same without tiles (streaming q8 kernel for decode-sized steps,
+                      dequantize + float GEMM beyond)
 
 The workload: --num-prompts ShareGPT first turns, each with its reference answer's length
 (capped at --output-len; --fixed-output-len for all the same), all arriving at once, with
@@ -42,7 +46,7 @@ from tokenmill.bench.workloads import (SYSTEM_PROMPT, Workload, grounded_tasks, 
                                        random_turns, sharegpt_turns)
 
 ABLATIONS = ("paged_kv", "continuous_batching", "chunked_prefill", "prefix_caching",
-             "spec_decode", "quantization", "cpu_fast_paths", "weight_prepack")
+             "spec_decode", "quantization", "cpu_fast_paths", "weight_prepack", "q8_tiles")
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
         "prompt_lookup_max": 4}
 
@@ -276,6 +280,13 @@ def _variants(ctx: Context, name: str):
         llm = ctx.llm(cpu_weight_prepack=False)
         return "main", base, Variant(llm, before_run=_reset_prefix_cache(llm)), \
             "MKL on plain float32 weights (no oneDNN-layout copy)"
+    if name == "q8_tiles":
+        scheme = a.quant_scheme if a.quant_scheme != "auto" else ("gguf" if ctx.is_gguf else "int8")
+        on = ctx.llm(quantization=scheme, quant_activations="q8")
+        off = ctx.llm(quantization=scheme, quant_activations="q8", cpu_weight_prepack=False)
+        return "main", Variant(on, before_run=_reset_prefix_cache(on)), \
+            Variant(off, before_run=_reset_prefix_cache(off)), \
+            f"{scheme}, q8 activations without the tiled GEMM"
     raise ValueError(f"unknown ablation {name!r}; choose from {', '.join(ABLATIONS)}")
 
 

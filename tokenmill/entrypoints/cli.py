@@ -37,14 +37,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights: int8, int4, int4-g32|g64|g128, fp8 (online RTN) or gguf (keep a "
                         "GGUF's Q8_0 / Q4_0 / Q4_1 blocks packed); GPTQ / AWQ / FP8 checkpoints need none")
     g.add_argument("--quant-activations", default=None, choices=["fp32", "q8"],
-                   help="activations of int8 / int4 weight matmuls when decoding: fp32 (exact, "
-                        "default) or q8 (int8 per 32 values, integer dot products as llama.cpp: faster)")
+                   help="activations of int8 / int4 weight matmuls: fp32 (exact, default) or q8 "
+                        "(int8 per 32 values, integer dot products as llama.cpp: faster)")
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile the per-layer path (prefill); first use of each shape "
                         "class compiles for tens of seconds")
     g.add_argument("--no-cpu-weight-prepack", dest="cpu_weight_prepack", action="store_false",
                    help="don't keep a oneDNN-layout copy of float32 weights for prefill / batched "
-                        "matmuls (saves the float weights' memory again; batched GEMMs up to 2x slower)")
+                        "matmuls, nor the tiled int8 / int4 copy of q8 linears (saves that memory; "
+                        "batched GEMMs up to 2-3x slower)")
     g.add_argument("--speculative-config", default=None,
                    help='speculative decoding, JSON: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--speculative-model", default=None, help="draft model, or [ngram] for prompt lookup")

@@ -13,7 +13,7 @@
  * tiled qw, tiled sc, tiled mn or corr}; kind -1 = float32 weight [n, K], 0/1/2 =
  * int8/int4/fp8 packed for tm_qmm (| KIND_HALF: float16 scales), -2 = no part;
  * perm: 0 or an int64 [K] input-column order, GPTQ act-order; tiled: 0 or the part's copy
- * for tm_qgemm_q8 (VNNI builds), which q8 steps take, as matmul.py does): the parts' outputs are
+ * for tm_qgemm_q8, which q8 steps take, as matmul.py does): the parts' outputs are
  * concatenated, as the Python linear methods do. linears holds L x 4 (qkv, o, gate_up,
  * down) such descriptors. k_scales / v_scales: NULL for float32 caches, else L addresses of
  * the per-slot scales of int8 caches (K/V quantized on write like kv_quant.quantize_kv).
@@ -45,7 +45,6 @@ static int dec_linear(const int64_t *desc, const float *x, int64_t T, int64_t K,
         }
         if (kind == -1)
             tm_linear_small_m(in, T, K, (const float *)d[1], n, NULL, dst, nthreads);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
         else if (q8 && d[7]) {   /* i8 / i4 with a tiled copy */
             const int i4 = (kind & 7) == 1;
             if (tm_qgemm_q8(in, T, K, (int)(kind & 7), (const uint8_t *)d[7], (const float *)d[8],
@@ -53,7 +52,6 @@ static int dec_linear(const int64_t *desc, const float *x, int64_t T, int64_t K,
                             d[4], n, dst, nthreads))
                 return 1;
         }
-#endif
         else if (q8 && ((kind & 7) == 0 || (kind & 7) == 1)) {   /* i8 / i4, maybe | KIND_HALF */
             if (tm_qmm_q8(in, T, K, (const uint8_t *)d[1], (const float *)d[2],
                           (const float *)d[3], d[4], n, (int)kind, dst, nthreads))

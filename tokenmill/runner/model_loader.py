@@ -24,7 +24,7 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     / "q8" for the packed linears' decode matmuls (None: the process default).
     ``cpu_weight_prepack``: float32 CPU linears get a oneDNN copy of their weight
     (layers/prepacked.py), and packed int8 / int4 linears with q8 activations a tiled copy
-    for the VNNI GEMM (layers/quant/qgemm.py); ``model.prepacked_bytes`` says what it added."""
+    for the tiled q8 GEMM (layers/quant/qgemm.py); ``model.prepacked_bytes`` says what it added."""
     cfg = dict(checkpoint.hf_config)
     # RoPE tables only need to cover the context we serve.
     cfg["max_position_embeddings"] = max(max_model_len, 1)

@@ -1,5 +1,6 @@
-"""The tiled q8 GEMM (AVX-512 VNNI) against the plain-PyTorch q8 reference and the
-streaming q8 kernel; its load-time copies and where the engine uses them."""
+"""The tiled q8 GEMM (AVX-512 VNNI or AVX2 build) against the plain-PyTorch q8 reference and
+the streaming q8 kernel; both builds bit-identical; its load-time copies and where the
+engine uses them."""
 import pytest
 import torch
 
@@ -8,7 +9,8 @@ from tokenmill.layers.quant import formats as F
 from tokenmill.layers.quant import kernels, qgemm
 from tokenmill.layers.quant.matmul import packed_linear, reference_linear
 
-needs_vnni = pytest.mark.skipif(not qgemm.available(), reason="tiled kernel needs AVX-512 VNNI")
+needs_kernel = pytest.mark.skipif(not qgemm.available(), reason="kernel needs x86-64 AVX2 and a C compiler")
+needs_vnni = pytest.mark.skipif(not kernels.has_vnni(), reason="the VNNI build needs AVX-512 VNNI")
 
 
 def _packed(kind: str, n: int, k: int, seed: int) -> F.Packed:
@@ -34,7 +36,7 @@ def test_tile_layout_refuses_other_kinds():
         qgemm.tile(p)
 
 
-@needs_vnni
+@needs_kernel
 @pytest.mark.parametrize("kind", ["i8", "i8-g32", "i4-g32", "i4-g64", "i4-g128"])
 @pytest.mark.parametrize("n,k", [(16, 128), (40, 256), (200, 384), (33, 1536)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 70])
@@ -47,7 +49,7 @@ def test_tiled_kernel_matches_q8_reference(kind, n, k, rows):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
 
 
-@needs_vnni
+@needs_kernel
 @pytest.mark.parametrize("kind", ["i8-g32", "i4-g32"])
 def test_tiled_kernel_agrees_with_the_streaming_q8_kernel(kind):
     """Same integer block dots and scales: only the float summation order differs, and a row's
@@ -62,7 +64,7 @@ def test_tiled_kernel_agrees_with_the_streaming_q8_kernel(kind):
     assert torch.equal(qgemm.qgemm_q8(x[5:6].contiguous(), tiled), got[5:6])   # batch invariant
 
 
-@needs_vnni
+@needs_kernel
 def test_packed_linear_takes_the_tiles_only_with_q8_activations():
     p = _packed("i4-g32", 48, 256, 3)
     p.tiled = qgemm.tile(p)
@@ -74,7 +76,7 @@ def test_packed_linear_takes_the_tiles_only_with_q8_activations():
     assert not torch.equal(fp32, q8)
 
 
-@needs_vnni
+@needs_kernel
 def test_engine_tiles_q8_linears_and_fuses_them(tiny_llama_dir):
     """quant_activations="q8" tiles every int8 linear at load (counted as prepacked weights)
     and the one-call decode stack reads the same tiles; without prepacking nothing is tiled,
@@ -120,18 +122,26 @@ def both_builds(tmp_path_factory):
 
 
 @needs_vnni
-@pytest.mark.parametrize("kind", ["i8-g32", "i4-g32", "i4-g64"])
-def test_streaming_q8_kernel_is_bit_identical_in_both_builds(kind, both_builds):
-    """The VNNI build's one-instruction dot product (qmm.c dot_u8s8) sums the same exact
-    integers in the same lanes as the AVX2 pair of instructions."""
-    p = _packed(kind, 72, 576, 11)
+@pytest.mark.parametrize("kind", ["i8", "i8-g32", "i4-g32", "i4-g64"])
+def test_both_builds_are_bit_identical(kind, both_builds):
+    """The VNNI build's one-instruction dot products sum the same exact integers in the same
+    lanes as the AVX2 build's instruction pairs, then run the same float operations: the
+    streaming kernel (qmm.c dot_u8s8) and the tiled one (qgemm.c) give identical bits."""
+    p = _packed(kind, 41, 576, 11)   # 41 rows: a part-filled last half tile (AVX2)
     x = torch.randn(13, 576) * 5
-    outs = []
-    for lib, vnni in zip(both_builds, (False, True)):
-        assert hasattr(lib, "tm_qgemm_q8") == vnni
-        y = torch.empty(13, 72)
+    tiled = qgemm.tile(p)
+    stream_outs, tiled_outs = [], []
+    for lib in both_builds:
+        y = torch.empty(13, 41)
         assert lib.tm_qmm_q8(x.data_ptr(), 13, 576, p.qweight.data_ptr(), p.scales.data_ptr(),
-                             p.mins.data_ptr() if p.mins is not None else None, p.group_size, 72,
+                             p.mins.data_ptr() if p.mins is not None else None, p.group_size, 41,
                              kernels.kind_code(0 if p.kind == "i8" else 1, p.scales), y.data_ptr(), 2) == 0
-        outs.append(y)
-    assert torch.equal(outs[0], outs[1])
+        stream_outs.append(y)
+        z = torch.empty(13, 41)
+        assert lib.tm_qgemm_q8(x.data_ptr(), 13, 576, tiled.kind, tiled.qw.data_ptr(), tiled.sc.data_ptr(),
+                               tiled.mn.data_ptr() if tiled.mn is not None else None,
+                               tiled.corr.data_ptr() if tiled.corr is not None else None,
+                               tiled.group_size, 41, z.data_ptr(), 2) == 0
+        tiled_outs.append(z)
+    assert torch.equal(stream_outs[0], stream_outs[1])
+    assert torch.equal(tiled_outs[0], tiled_outs[1])

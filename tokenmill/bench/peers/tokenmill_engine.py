@@ -1,6 +1,7 @@
 """tokenmill itself, as `bench compare` measures it: precision "fp32" (weights dequantized
 to float32), "gguf" (the GGUF's quantized blocks kept packed) or "gguf-q8" (kept packed,
-decode activations rounded to int8 for integer dot products, as llama.cpp does). Prefix
+activations rounded to int8 for integer dot products, as llama.cpp does, on the tiled q8
+GEMM). Prefix
 caching is off so a repeated run never reuses the previous run's prompts (the other engines
 cannot); the KV pool holds exactly the parallel sequences' need, as llama.cpp's context is
 sized."""

@@ -30,8 +30,8 @@ def kind_code(kind: int, scales: torch.Tensor) -> int:
 _SOURCE = os.path.join(os.path.dirname(__file__), "qmm.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 # Where the CPU has AVX-512 VNNI the same sources are built with it too: the int8 dot
-# products of the q8 kernels take one instruction instead of two (bit-identical sums,
-# qmm.c's dot_u8s8); everything else is the AVX2 code either way.
+# products of the q8 kernels take one instruction instead of two (bit-identical results,
+# qmm.c's dot_u8s8), and the tiled q8 GEMM (qgemm.c) runs on 512-bit registers.
 _VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
 _VNNI_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
 _DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tokenmill", "kernels")
@@ -139,9 +139,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_quantize_q8.restype = None
     lib.tm_dequant.argtypes = [p, p, p, i64, i64, i64, i32, p, i32]
     lib.tm_dequant.restype = None
-    if hasattr(lib, "tm_qgemm_q8"):   # VNNI builds (qgemm.c)
-        lib.tm_qgemm_q8.argtypes = [p, i64, i64, i32, p, p, p, p, i64, i64, p, i32]
-        lib.tm_qgemm_q8.restype = i32
+    lib.tm_qgemm_q8.argtypes = [p, i64, i64, i32, p, p, p, p, i64, i64, p, i32]
+    lib.tm_qgemm_q8.restype = i32
     return lib
 
 

@@ -3,9 +3,9 @@
 The kernel streams compressed weights and wins while the matmul is memory-bound (decode:
 few rows). With many rows (prefill) the matmul is compute-bound and MKL's fp32 GEMM on a
 freshly dequantized weight is faster; ``kernel_max_rows`` is that crossover, measured with
-``python -m tokenmill.bench.quant kernels``. With q8 activations on an AVX-512 VNNI CPU, a
-weight tiled at load (qgemm.py) takes the tiled integer GEMM at every row count instead:
-2-3x the fp32 GEMM's rate at many rows and 2-3x the streaming kernel's at one row.
+``python -m tokenmill.bench.quant kernels``. With q8 activations, a weight tiled at load
+(qgemm.py) takes the tiled integer GEMM at every row count instead (with AVX-512 VNNI:
+2.5-3x the fp32 GEMM's rate at many rows, 2-3x the streaming kernel's at one row).
 """
 from __future__ import annotations
 

@@ -360,6 +360,4 @@ int tm_qmm_q8(const float *x, int64_t M, int64_t K, const uint8_t *w, const floa
     return 0;
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include "qgemm.c"   /* the many-row q8 GEMM on a row-interleaved layout */
-#endif
+#include "qgemm.c"   /* the q8 GEMM on a row-interleaved layout (VNNI or AVX2) */
