@@ -154,14 +154,12 @@ int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *q
                 float *y, int nthreads) {
     const int64_t nb = K / 32, ngroups = K / G, tiles = (N + QG_TILE - 1) / QG_TILE;
     const int i4 = kind == 1;
-    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
-    float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
-    float *xsum = i4 ? (float *)malloc(sizeof(float) * (size_t)(M * ngroups)) : NULL;
-    if (!xq || !dx || (i4 && !xsum)) { free(xq); free(dx); free(xsum); return 1; }
-    tm_quantize_q8(x, M, K, xq, dx);
-    if (i4) group_sums(x, M, K, G, xsum);
+    q8_input in;
+    if (q8_prepare(x, M, K, G, i4, &in)) return 1;
+    int8_t *xq = in.qx;
+    const float *dx = in.dx, *xsum = in.xsum;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    else   /* the unsigned operand: xq + 128 */
+    if (!i4)   /* the unsigned operand: xq + 128 */
         for (int64_t i = 0; i < M * K; i++) xq[i] = (int8_t)((uint8_t)xq[i] ^ 0x80);
 #endif
     /* tiles outside, row passes inside: a tile's weights (K/2 or K bytes x 16 rows) stay
@@ -187,6 +185,6 @@ int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *q
             }
         }
     }
-    free(xq); free(dx); free(xsum);
+    q8_free(&in);
     return 0;
 }

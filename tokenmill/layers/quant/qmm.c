@@ -315,17 +315,31 @@ INLINE void tile_q8(const int8_t *qx, const float *dx, const int mb, const int R
         }                                                                                    \
     }
 
+/* The inputs of both q8 kernels: x [M, K] rounded to int8 per run of 32 (qx, scales dx)
+ * and, for int4 weights (i4), its exact float sums per group of G (xsum). */
+typedef struct { int8_t *qx; float *dx, *xsum; } q8_input;
+
+static void q8_free(q8_input *in) { free(in->qx); free(in->dx); free(in->xsum); }
+
+/* Returns nonzero, with nothing left allocated, when a buffer could not be allocated. */
+static int q8_prepare(const float *x, int64_t M, int64_t K, int64_t G, int i4, q8_input *in) {
+    in->qx = (int8_t *)malloc((size_t)(M * K));
+    in->dx = (float *)malloc(sizeof(float) * (size_t)(M * (K / 32)));
+    in->xsum = i4 ? (float *)malloc(sizeof(float) * (size_t)(M * (K / G))) : NULL;
+    if (!in->qx || !in->dx || (i4 && !in->xsum)) { q8_free(in); return 1; }
+    tm_quantize_q8(x, M, K, in->qx, in->dx);
+    if (i4) group_sums(x, M, K, G, in->xsum);
+    return 0;
+}
+
 /* Returns nonzero when a buffer could not be allocated (y untouched). */
 int tm_qmm_q8(const float *x, int64_t M, int64_t K, const uint8_t *w, const float *scale,
               const float *mins, int64_t G, int64_t N, int kind, float *y, int nthreads) {
     const int64_t ngroups = K / G, nb = K / 32, row_bytes = (kind & 7) == 1 ? K / 2 : K;
-    const int i4 = (kind & 7) == 1;
-    int8_t *qx = (int8_t *)malloc((size_t)(M * K));
-    float *dx = (float *)malloc(sizeof(float) * (size_t)(M * nb));
-    float *xsum = i4 ? (float *)malloc(sizeof(float) * (size_t)(M * ngroups)) : NULL;
-    if (!qx || !dx || (i4 && !xsum)) { free(qx); free(dx); free(xsum); return 1; }
-    tm_quantize_q8(x, M, K, qx, dx);
-    if (i4) group_sums(x, M, K, G, xsum);
+    q8_input in;
+    if (q8_prepare(x, M, K, G, (kind & 7) == 1, &in)) return 1;
+    const int8_t *qx = in.qx;
+    const float *dx = in.dx, *xsum = in.xsum;
     const int64_t tiles = (N + 3) / 4;   /* four weight rows per task; the last may be short */
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t t = 0; t < tiles; t++) {
@@ -356,7 +370,7 @@ int tm_qmm_q8(const float *x, int64_t M, int64_t K, const uint8_t *w, const floa
             }
         }
     }
-    free(qx); free(dx); free(xsum);
+    q8_free(&in);
     return 0;
 }
 
