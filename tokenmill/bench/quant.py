@@ -26,7 +26,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schemes", default="none,int8,int4,gguf",
                    help="comma list of: quantization values ('none' is the fp32 baseline), "
                         "quantized checkpoint directories (written by `tokenmill quantize`), "
-                        "kv:int8 / kv:fp8 (fp32 weights, quantized KV cache)")
+                        "kv:int8 / kv:fp8 (fp32 weights, quantized KV cache); a ':q8' suffix "
+                        "runs a scheme with q8 activations (e.g. gguf:q8, int4-g32:q8)")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--prefill-len", type=int, default=256)
@@ -38,6 +39,8 @@ def _args(p: argparse.ArgumentParser) -> None:
 
 def scheme_settings(scheme: str, model: str) -> dict:
     """One --schemes entry -> LLM keyword arguments."""
+    if scheme.endswith(":q8"):     # int8-rounded activations for the packed linears
+        return {**scheme_settings(scheme[:-3], model), "quant_activations": "q8"}
     if scheme.startswith("kv:"):
         return {"model": model, "kv_cache_dtype": scheme[3:]}
     if os.path.isdir(scheme):      # a quantized checkpoint brings its own scheme
