@@ -10,7 +10,7 @@
  *   x += (silu(h2 Wgate^T) * (h2 Wup^T)) Wdown^T
  * Norm weights and caches are arrays of L addresses. Each linear is described by
  * DEC_PARTS parts of DEC_FIELDS int64 each ({kind, weight, scale, mins, group, n, perm,
- * tiled qw, tiled sc, tiled mn or corr}; kind -1 = float32 weight [n, K], 0/1/2 =
+ * tiled qw, tiled sc, tiled mn}; kind -1 = float32 weight [n, K], 0/1/2 =
  * int8/int4/fp8 packed for tm_qmm (| KIND_HALF: float16 scales), -2 = no part;
  * perm: 0 or an int64 [K] input-column order, GPTQ act-order; tiled: 0 or the part's copy
  * for tm_qgemm_q8, which q8 steps take, as matmul.py does): the parts' outputs are
@@ -45,11 +45,9 @@ static int dec_linear(const int64_t *desc, const float *x, int64_t T, int64_t K,
         }
         if (kind == -1)
             tm_linear_small_m(in, T, K, (const float *)d[1], n, NULL, dst, nthreads);
-        else if (q8 && d[7]) {   /* i8 / i4 with a tiled copy */
-            const int i4 = (kind & 7) == 1;
-            if (tm_qgemm_q8(in, T, K, (int)(kind & 7), (const uint8_t *)d[7], (const float *)d[8],
-                            i4 ? (const float *)d[9] : NULL, i4 ? NULL : (const int32_t *)d[9],
-                            d[4], n, dst, nthreads))
+        else if (q8 && d[7]) {   /* i8 / i4 with a tiled copy (scales of the part's dtype) */
+            if (tm_qgemm_q8(in, T, K, (int)kind, (const uint8_t *)d[7], (const float *)d[8],
+                            (const float *)d[9], d[4], n, dst, nthreads))
                 return 1;
         }
         else if (q8 && ((kind & 7) == 0 || (kind & 7) == 1)) {   /* i8 / i4, maybe | KIND_HALF */

@@ -56,12 +56,11 @@ def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
 
 
 def _tiled_fields(p) -> list[int]:
-    """The tiled copy's addresses (qw, sc, mn or corr) for q8 steps, zeros without one."""
+    """The tiled copy's addresses (qw, sc, mn or 0) for q8 steps, zeros without one."""
     t = p.tiled
     if t is None:
         return [0, 0, 0]
-    extra = t.mn if t.mn is not None else t.corr
-    return [t.qw.data_ptr(), t.sc.data_ptr(), extra.data_ptr()]
+    return [t.qw.data_ptr(), t.sc.data_ptr(), t.mn.data_ptr() if t.mn is not None else 0]
 
 
 class _StackPlan:

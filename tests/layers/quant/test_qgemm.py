@@ -140,7 +140,6 @@ def test_both_builds_are_bit_identical(kind, both_builds):
         z = torch.empty(13, 41)
         assert lib.tm_qgemm_q8(x.data_ptr(), 13, 576, tiled.kind, tiled.qw.data_ptr(), tiled.sc.data_ptr(),
                                tiled.mn.data_ptr() if tiled.mn is not None else None,
-                               tiled.corr.data_ptr() if tiled.corr is not None else None,
                                tiled.group_size, 41, z.data_ptr(), 2) == 0
         tiled_outs.append(z)
     assert torch.equal(stream_outs[0], stream_outs[1])

@@ -139,7 +139,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.tm_quantize_q8.restype = None
     lib.tm_dequant.argtypes = [p, p, p, i64, i64, i64, i32, p, i32]
     lib.tm_dequant.restype = None
-    lib.tm_qgemm_q8.argtypes = [p, i64, i64, i32, p, p, p, p, i64, i64, p, i32]
+    lib.tm_qgemm_q8.argtypes = [p, i64, i64, i32, p, p, p, i64, i64, p, i32]
     lib.tm_qgemm_q8.restype = i32
     return lib
 

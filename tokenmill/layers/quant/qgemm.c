@@ -12,14 +12,16 @@
  * finish the block, and a single conversion and multiply-add per 16 rows applies the
  * block's scales. The outputs land in lanes as y[m, n .. n+15]: no horizontal sums.
  *
- * Tiled layout (t = n / 16 tile, b = 32-value block, j = row in tile = lane, s = step of 4
- * values in the block):
+ * Tiled layout (t = n / 16 tile, b = 32-value block, g = group, j = row in tile = lane,
+ * s = step of 4 values in a block). The weight is the unsigned operand of every product:
  *   i4: qw[t][b][p][j][4] uint8, p = 0..3: low nibble = value 4 * (2p) + byte, high nibble
- *       = value 4 * (2p + 1) + byte (the weight is the unsigned operand: q in 0..15)
- *   i8: qw[t][b][s][j][4] int8 = value 4s + byte (signed operand; activations go in as
- *       unsigned xq + 128, and corr[t][b][j] = -128 * sum of the block's 32 weights undoes it)
- *   sc[t][b][j] float32: the scale of row j's group holding block b
- *   mn[t][g][j] float32 (i4): row j's min of group g (w = sc * q + mn), times sum(x over g)
+ *       = value 4 * (2p + 1) + byte (q in 0..15)
+ *   i8: qw[t][b][s][j][4] uint8 = q + 128 of value 4s + byte; the VNNI build takes
+ *       128 * (sum of the block's int8 activations) off each block's dot, the AVX2 build
+ *       restores q (vpmaddubsw's int16 pairs cannot hold (q + 128) * x)
+ *   sc[t][g][j]: row j's scale of group g; mn[t][g][j] (i4): its min (w = sc * q + mn), times
+ *       the exact float sum of x over the group. float32, or float16 (kind | KIND_HALF)
+ *       where the checkpoint's own are (GGUF): converted exactly, half the bytes.
  * Rows past N are zero in every array (and their outputs are not stored).
  */
 #include <immintrin.h>
@@ -29,47 +31,54 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define QG_MT 8      /* activation rows per pass over a tile */
 
-/* mb (compile-time 1..QG_MT) activation rows against tile t, every block of K. */
-INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, const int mb,
-                       int64_t K, int64_t G, int kind, const uint8_t *qw, const float *sc,
-                       const float *mn, const int32_t *corr, int64_t N, int64_t t, float *y) {
+INLINE __m512 qg_load16(const float *p, int64_t i, int kind) {   /* 16 scales or mins */
+    return (kind & KIND_HALF) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
+                              : _mm512_loadu_ps(p + i);
+}
+
+/* mb (compile-time 1..QG_MT) activation rows against tile t, every block of K. qsum: the
+ * int8 activations' block sums (i8). */
+INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, const int32_t *qsum,
+                       const int mb, int64_t K, int64_t G, int kind, const uint8_t *qw,
+                       const float *sc, const float *mn, int64_t N, int64_t t, float *y) {
     const int64_t nb = K / 32, per_g = G / 32, ngroups = K / G;
-    const int i4 = kind == 1;
+    const int i4 = (kind & 7) == 1;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc[QG_MT];
     for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m512i dot[QG_MT];
-        const __m512i init = i4 ? _mm512_setzero_si512() : _mm512_loadu_si512(corr + (t * nb + b) * QG_TILE);
-        for (int m = 0; m < mb; m++) dot[m] = init;
-        const int8_t *xb = xq + b * 32;
-        if (i4) {
-            const uint8_t *wb = qw + (t * nb + b) * 256;
-            for (int p = 0; p < 4; p++) {
-                __m512i raw = _mm512_loadu_si512(wb + 64 * p);
-                __m512i w0 = _mm512_and_si512(raw, low);
-                __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-                for (int m = 0; m < mb; m++) {
-                    const int8_t *xm = xb + m * K + 8 * p;
-                    dot[m] = _mm512_dpbusd_epi32(dot[m], w0, _mm512_set1_epi32(*(const int32_t *)xm));
-                    dot[m] = _mm512_dpbusd_epi32(dot[m], w1, _mm512_set1_epi32(*(const int32_t *)(xm + 4)));
+    for (int64_t g = 0; g < ngroups; g++) {
+        const __m512 s_vec = qg_load16(sc, (t * ngroups + g) * QG_TILE, kind);
+        for (int64_t b = g * per_g; b < (g + 1) * per_g; b++) {
+            __m512i dot[QG_MT];
+            for (int m = 0; m < mb; m++)
+                dot[m] = i4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * qsum[m * nb + b]);
+            const int8_t *xb = xq + b * 32;
+            if (i4) {
+                const uint8_t *wb = qw + (t * nb + b) * 256;
+                for (int p = 0; p < 4; p++) {
+                    __m512i raw = _mm512_loadu_si512(wb + 64 * p);
+                    __m512i w0 = _mm512_and_si512(raw, low);
+                    __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                    for (int m = 0; m < mb; m++) {
+                        const int8_t *xm = xb + m * K + 8 * p;
+                        dot[m] = _mm512_dpbusd_epi32(dot[m], w0, _mm512_set1_epi32(*(const int32_t *)xm));
+                        dot[m] = _mm512_dpbusd_epi32(dot[m], w1, _mm512_set1_epi32(*(const int32_t *)(xm + 4)));
+                    }
+                }
+            } else {
+                const uint8_t *wb = qw + (t * nb + b) * 512;
+                for (int s = 0; s < 8; s++) {
+                    __m512i w = _mm512_loadu_si512(wb + 64 * s);
+                    for (int m = 0; m < mb; m++)
+                        dot[m] = _mm512_dpbusd_epi32(dot[m], w, _mm512_set1_epi32(*(const int32_t *)(xb + m * K + 4 * s)));
                 }
             }
-        } else {
-            const uint8_t *wb = qw + (t * nb + b) * 512;
-            for (int s = 0; s < 8; s++) {
-                __m512i w = _mm512_loadu_si512(wb + 64 * s);
-                for (int m = 0; m < mb; m++)   /* xq here holds xq + 128 (unsigned) */
-                    dot[m] = _mm512_dpbusd_epi32(dot[m], _mm512_set1_epi32(*(const int32_t *)(xb + m * K + 4 * s)), w);
-            }
+            for (int m = 0; m < mb; m++)
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]),
+                                         _mm512_mul_ps(s_vec, _mm512_set1_ps(dx[m * nb + b])), acc[m]);
         }
-        const __m512 s_vec = _mm512_loadu_ps(sc + (t * nb + b) * QG_TILE);
-        for (int m = 0; m < mb; m++)
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]),
-                                     _mm512_mul_ps(s_vec, _mm512_set1_ps(dx[m * nb + b])), acc[m]);
-        if (i4 && (b + 1) % per_g == 0) {   /* the affine term of the group just finished */
-            const int64_t g = b / per_g;
-            const __m512 mn_vec = _mm512_loadu_ps(mn + (t * ngroups + g) * QG_TILE);
+        if (i4) {   /* the affine term of the group */
+            const __m512 mn_vec = qg_load16(mn, (t * ngroups + g) * QG_TILE, kind);
             for (int m = 0; m < mb; m++)
                 acc[m] = _mm512_fmadd_ps(mn_vec, _mm512_set1_ps(xsum[m * ngroups + g]), acc[m]);
         }
@@ -81,57 +90,63 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
 #else
 #define QG_MT 4      /* 16 ymm registers: 4 rows x (sum + block dot) plus weights */
 
+INLINE __m256 qg_load8(const float *p, int64_t i, int kind) {   /* 8 scales or mins */
+    return (kind & KIND_HALF) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+                              : _mm256_loadu_ps(p + i);
+}
+
 /* AVX2: the same tiles as two halves of 8 rows (one ymm lane each), vpmaddubsw + vpmaddwd
- * for each vpdpbusd. int8 weights take the sign trick (|w| unsigned, x with w's sign:
- * xu * w would overflow vpmaddubsw's int16 pairs), so xq stays signed and corr is unused.
- * Every lane sums the same integers and then runs the same float operations in the same
- * order as the VNNI build: the two builds' outputs are bit-identical. */
-INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, const int mb,
-                       int64_t K, int64_t G, int kind, const uint8_t *qw, const float *sc,
-                       const float *mn, const int32_t *corr, int64_t N, int64_t t, float *y) {
-    (void)corr;
+ * for each vpdpbusd; int8 weights by the sign trick (|q| unsigned, x with q's sign). Every
+ * lane sums the same integers and then runs the same float operations in the same order
+ * as the VNNI build: the two builds' outputs are bit-identical. */
+INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, const int32_t *qsum,
+                       const int mb, int64_t K, int64_t G, int kind, const uint8_t *qw,
+                       const float *sc, const float *mn, int64_t N, int64_t t, float *y) {
+    (void)qsum;
     const int64_t nb = K / 32, per_g = G / 32, ngroups = K / G;
-    const int i4 = kind == 1;
+    const int i4 = (kind & 7) == 1;
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
     for (int h = 0; h < 2; h++) {   /* rows 8h .. 8h + 7 of the tile */
         __m256 acc[QG_MT];
         for (int m = 0; m < mb; m++) acc[m] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            __m256i dot[QG_MT];
-            for (int m = 0; m < mb; m++) dot[m] = _mm256_setzero_si256();
-            const int8_t *xb = xq + b * 32;
-            if (i4) {
-                const uint8_t *wb = qw + (t * nb + b) * 256 + 32 * h;
-                for (int p = 0; p < 4; p++) {
-                    __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 64 * p));
-                    __m256i w0 = _mm256_and_si256(raw, low);
-                    __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                    for (int m = 0; m < mb; m++) {
-                        const int8_t *xm = xb + m * K + 8 * p;
-                        __m256i x0 = _mm256_set1_epi32(*(const int32_t *)xm);
-                        __m256i x1 = _mm256_set1_epi32(*(const int32_t *)(xm + 4));
-                        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones));
-                        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), ones));
+        for (int64_t g = 0; g < ngroups; g++) {
+            const __m256 s_vec = qg_load8(sc, (t * ngroups + g) * QG_TILE + 8 * h, kind);
+            for (int64_t b = g * per_g; b < (g + 1) * per_g; b++) {
+                __m256i dot[QG_MT];
+                for (int m = 0; m < mb; m++) dot[m] = _mm256_setzero_si256();
+                const int8_t *xb = xq + b * 32;
+                if (i4) {
+                    const uint8_t *wb = qw + (t * nb + b) * 256 + 32 * h;
+                    for (int p = 0; p < 4; p++) {
+                        __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 64 * p));
+                        __m256i w0 = _mm256_and_si256(raw, low);
+                        __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                        for (int m = 0; m < mb; m++) {
+                            const int8_t *xm = xb + m * K + 8 * p;
+                            __m256i x0 = _mm256_set1_epi32(*(const int32_t *)xm);
+                            __m256i x1 = _mm256_set1_epi32(*(const int32_t *)(xm + 4));
+                            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones));
+                            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), ones));
+                        }
+                    }
+                } else {
+                    const uint8_t *wb = qw + (t * nb + b) * 512 + 32 * h;
+                    for (int s = 0; s < 8; s++) {   /* q = stored byte - 128 */
+                        __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wb + 64 * s)), bias);
+                        __m256i wu = _mm256_sign_epi8(w, w);
+                        for (int m = 0; m < mb; m++) {
+                            __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(*(const int32_t *)(xb + m * K + 4 * s)), w);
+                            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), ones));
+                        }
                     }
                 }
-            } else {
-                const uint8_t *wb = qw + (t * nb + b) * 512 + 32 * h;
-                for (int s = 0; s < 8; s++) {
-                    __m256i w = _mm256_loadu_si256((const __m256i *)(wb + 64 * s));
-                    __m256i wu = _mm256_sign_epi8(w, w);
-                    for (int m = 0; m < mb; m++) {
-                        __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(*(const int32_t *)(xb + m * K + 4 * s)), w);
-                        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), ones));
-                    }
-                }
+                for (int m = 0; m < mb; m++)
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]),
+                                             _mm256_mul_ps(s_vec, _mm256_set1_ps(dx[m * nb + b])), acc[m]);
             }
-            const __m256 s_vec = _mm256_loadu_ps(sc + (t * nb + b) * QG_TILE + 8 * h);
-            for (int m = 0; m < mb; m++)
-                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]),
-                                         _mm256_mul_ps(s_vec, _mm256_set1_ps(dx[m * nb + b])), acc[m]);
-            if (i4 && (b + 1) % per_g == 0) {
-                const int64_t g = b / per_g;
-                const __m256 mn_vec = _mm256_loadu_ps(mn + (t * ngroups + g) * QG_TILE + 8 * h);
+            if (i4) {
+                const __m256 mn_vec = qg_load8(mn, (t * ngroups + g) * QG_TILE + 8 * h, kind);
                 for (int m = 0; m < mb; m++)
                     acc[m] = _mm256_fmadd_ps(mn_vec, _mm256_set1_ps(xsum[m * ngroups + g]), acc[m]);
             }
@@ -147,20 +162,27 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
 }
 #endif
 
-/* kind 0 = i8, 1 = i4 (tiled arrays as above); G a multiple of 32 dividing K. Returns
- * nonzero when a buffer could not be allocated (y untouched). */
+/* kind 0 = i8, 1 = i4, | KIND_HALF for float16 sc / mn (tiled arrays as above); G a
+ * multiple of 32 dividing K. Returns nonzero when a buffer could not be allocated (y untouched). */
 int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *qw,
-                const float *sc, const float *mn, const int32_t *corr, int64_t G, int64_t N,
-                float *y, int nthreads) {
+                const float *sc, const float *mn, int64_t G, int64_t N, float *y, int nthreads) {
     const int64_t nb = K / 32, ngroups = K / G, tiles = (N + QG_TILE - 1) / QG_TILE;
-    const int i4 = kind == 1;
+    const int i4 = (kind & 7) == 1;
     q8_input in;
     if (q8_prepare(x, M, K, G, i4, &in)) return 1;
-    int8_t *xq = in.qx;
+    const int8_t *xq = in.qx;
     const float *dx = in.dx, *xsum = in.xsum;
+    int32_t *qsum = NULL;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (!i4)   /* the unsigned operand: xq + 128 */
-        for (int64_t i = 0; i < M * K; i++) xq[i] = (int8_t)((uint8_t)xq[i] ^ 0x80);
+    if (!i4) {   /* block sums of the int8 activations: what the stored q + 128 adds */
+        qsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb));
+        if (!qsum) { q8_free(&in); return 1; }
+        for (int64_t i = 0; i < M * nb; i++) {
+            int32_t v = 0;
+            for (int j = 0; j < 32; j++) v += xq[i * 32 + j];
+            qsum[i] = v;
+        }
+    }
 #endif
     /* tiles outside, row passes inside: a tile's weights (K/2 or K bytes x 16 rows) stay
      * in L1 while every pass of QG_MT activation rows reads them */
@@ -170,10 +192,13 @@ int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *q
             const int64_t mb = M - m0 < QG_MT ? M - m0 : QG_MT;
             const int8_t *xm = xq + m0 * K;
             const float *dm = dx + m0 * nb, *sm = i4 ? xsum + m0 * ngroups : NULL;
+            const int32_t *qm = qsum ? qsum + m0 * nb : NULL;
             float *ym = y + m0 * N;
             switch (mb) {   /* compile-time rows and kind per case: the loops unroll */
-#define QG_CALL(R) if (i4) qgemm_tile(xm, dm, sm, R, K, G, 1, qw, sc, mn, corr, N, t, ym); \
-                   else qgemm_tile(xm, dm, sm, R, K, G, 0, qw, sc, mn, corr, N, t, ym);
+#define QG_KIND(R, KIND) qgemm_tile(xm, dm, sm, qm, R, K, G, KIND, qw, sc, mn, N, t, ym)
+#define QG_CALL(R) switch (kind) { case 0: QG_KIND(R, 0); break; case 1: QG_KIND(R, 1); break; \
+                                   case KIND_HALF: QG_KIND(R, KIND_HALF); break;            \
+                                   default: QG_KIND(R, KIND_HALF | 1); }
 #define QG_CASE(R) case R: QG_CALL(R) break;
                 QG_CASE(1) QG_CASE(2) QG_CASE(3)
 #if QG_MT > 4
@@ -182,9 +207,11 @@ int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *q
                 default: QG_CALL(QG_MT)
 #undef QG_CASE
 #undef QG_CALL
+#undef QG_KIND
             }
         }
     }
+    free(qsum);
     q8_free(&in);
     return 0;
 }

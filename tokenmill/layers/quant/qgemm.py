@@ -29,18 +29,16 @@ TILE = 16   # weight rows per tile (QG_TILE)
 @dataclass
 class Tiled:
     """qgemm.c's layout of one packed weight (arrays named as there)."""
-    kind: int                       # kernels.KIND_I8 / KIND_I4
-    qw: torch.Tensor                # uint8 [tiles, K/32, 256 (i4) or 512 (i8)]
-    sc: torch.Tensor                # float32 [tiles, K/32, 16]
-    mn: Optional[torch.Tensor]      # float32 [tiles, K/G, 16] (i4)
-    corr: Optional[torch.Tensor]    # int32 [tiles, K/32, 16] (i8)
+    kind: int                       # kernels.KIND_I8 / KIND_I4, | KIND_HALF for float16 sc / mn
+    qw: torch.Tensor                # uint8 [tiles, K/32, 256 (i4) or 512 (i8: q + 128)]
+    sc: torch.Tensor                # [tiles, K/G, 16], the packed weight's scale dtype
+    mn: Optional[torch.Tensor]      # [tiles, K/G, 16] (i4)
     group_size: int
     out_features: int
     in_features: int
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qw, self.sc, self.mn, self.corr)
-                   if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.qw, self.sc, self.mn) if t is not None)
 
 
 def available() -> bool:
@@ -68,20 +66,17 @@ def tile(p: Packed) -> Tiled:
                          f"of 32, not {p.kind} with group {p.group_size}")
     n, k, g = p.out_features, p.in_features, p.group_size
     nb = k // 32
-    scales = p.scales.float().repeat_interleave(g // 32, dim=1)           # [N, K/32]
+    kind = kernels.kind_code(kernels.KIND_I4 if p.kind == "i4" else kernels.KIND_I8, p.scales)
     if p.kind == "i4":
         q = unpack_int4(p.qweight).view(n, nb * 32)
         steps = _by_tile(q, n).view(-1, nb, 8, 4, TILE).transpose(2, 3)  # [t, b, 4 bytes, 8 steps, 16]
         # byte (p, j, i): value 4 * 2p + i in the low nibble, value 4 * (2p + 1) + i in the high one
         steps = steps.reshape(-1, nb, 4, 4, 2, TILE).permute(0, 1, 3, 5, 2, 4)   # [t, b, p, j, i, lo/hi]
         qw = (steps[..., 0] | (steps[..., 1] << 4)).reshape(-1, nb, 256).contiguous()
-        return Tiled(kernels.KIND_I4, qw, _by_tile(scales, n), _by_tile(p.mins.float(), n), None,
-                     g, n, k)
-    q = p.qweight.view(torch.int8).view(n, nb * 32)
+        return Tiled(kind, qw, _by_tile(p.scales, n), _by_tile(p.mins.to(p.scales.dtype), n), g, n, k)
+    q = (p.qweight.view(torch.int8).view(n, nb * 32).to(torch.int16) + 128).to(torch.uint8)
     steps = _by_tile(q, n).view(-1, nb, 8, 4, TILE).permute(0, 1, 2, 4, 3)   # [t, b, s, j, i]
-    qw = steps.reshape(-1, nb, 512).contiguous().view(torch.uint8)
-    corr = -128 * q.view(n, nb, 32).sum(dim=2, dtype=torch.int32)
-    return Tiled(kernels.KIND_I8, qw, _by_tile(scales, n), None, _by_tile(corr, n), g, n, k)
+    return Tiled(kind, steps.reshape(-1, nb, 512).contiguous(), _by_tile(p.scales, n), None, g, n, k)
 
 
 def qgemm_q8(x: torch.Tensor, t: Tiled) -> torch.Tensor:
@@ -91,7 +86,6 @@ def qgemm_q8(x: torch.Tensor, t: Tiled) -> torch.Tensor:
     lib = kernels.load()
     if lib.tm_qgemm_q8(x.data_ptr(), m, k, t.kind, t.qw.data_ptr(), t.sc.data_ptr(),
                        t.mn.data_ptr() if t.mn is not None else None,
-                       t.corr.data_ptr() if t.corr is not None else None,
                        t.group_size, t.out_features, y.data_ptr(), torch.get_num_threads()):
         raise MemoryError("tiled q8 matmul could not allocate its activation buffer")
     return y
