@@ -24,9 +24,10 @@ class ModelConfig:
     # Weight quantization: None, "int8", "int4" / "int4-g32|g64|g128", "fp8" (online RTN), or
     # "gguf" (keep GGUF Q8_0/Q4_0/Q4_1 packed). GPTQ / AWQ / FP8 checkpoints need none.
     quantization: Optional[str] = None
-    # Activations of int8 / int4 weight matmuls on decode-sized steps: "fp32" (exact up to
-    # summation order) or "q8" (rounded to int8 per 32 values for integer dot products, as
-    # llama.cpp does: faster, small accuracy cost). None: TOKENMILL_QMM_ACTIVATIONS or fp32.
+    # Activations of int8 / int4 weight matmuls: "fp32" (exact up to summation order) or
+    # "q8" (rounded to int8 per 32 values for integer dot products, as llama.cpp does: every
+    # step on the tiled q8 GEMM, or decode-sized steps only without cpu_weight_prepack;
+    # faster, small accuracy cost). None: TOKENMILL_QMM_ACTIVATIONS or fp32.
     quant_activations: Optional[str] = None
     # torch.compile (inductor) each decoder layer of the per-layer module path (prefill and
     # steps the one-call decode stack does not take); attention stays eager. Compiling takes

@@ -37,7 +37,8 @@ def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
         w = getattr(lin, "weight", None)
         if not (_fp32_cpu(w) and w.is_contiguous()):
             return None
-        return [-1, w.data_ptr(), 0, 0, 0, w.shape[0], 0, 0, 0, 0] + _NO_PART * (DEC_PARTS - 1), w
+        float_part = [-1, w.data_ptr(), 0, 0, 0, w.shape[0]]
+        return float_part + [0] * (DEC_FIELDS - len(float_part)) + _NO_PART * (DEC_PARTS - 1), w
     if not (isinstance(method, PackedLinearMethod) and type(method).apply is PackedLinearMethod.apply
             and method.use_kernel and method.kernel_max_rows >= cpu_ops.LINEAR_MAX_ROWS):
         return None

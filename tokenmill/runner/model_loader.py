@@ -21,7 +21,7 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
                 cpu_weight_prepack: bool = False) -> torch.nn.Module:
     """``quantization``: None / "int8" / "int4[-gN]" / "fp8" / "gguf"; a quantized
     checkpoint (GPTQ, AWQ, FP8 config) brings its own scheme. ``quant_activations``: "fp32"
-    / "q8" for the packed linears' decode matmuls (None: the process default).
+    / "q8" for the packed linears' matmuls (None: the process default).
     ``cpu_weight_prepack``: float32 CPU linears get a oneDNN copy of their weight
     (layers/prepacked.py), and packed int8 / int4 linears with q8 activations a tiled copy
     for the tiled q8 GEMM (layers/quant/qgemm.py); ``model.prepacked_bytes`` says what it added."""
