@@ -209,6 +209,21 @@ def test_small_m_linear_kernel_slices_rows_beyond_its_block():
                                rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.skipif(not cpu_ops.active(), reason="fused CPU kernels not built here")
+@pytest.mark.parametrize("n,k", [(963, 100), (3072, 576), (577, 1536), (5, 3)])
+def test_small_m_linear_rows_do_not_depend_on_the_row_count(n, k):
+    """One or two rows stream W row by row, three or more four weight rows at a time: the
+    same FMA chain per output either way, so a request's decode bits never depend on how
+    many others share its step (K % 8 != 0 exercises the scalar tail)."""
+    g = torch.Generator().manual_seed(n + k)
+    x, w, b = torch.randn(16, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    whole = cpu_ops.linear(x, w, b)
+    for lo, hi in [(0, 1), (5, 7), (2, 5), (3, 7), (0, 16)]:
+        assert torch.equal(cpu_ops.linear(x[lo:hi].contiguous(), w, b), whole[lo:hi])
+    torch.testing.assert_close(whole, torch.nn.functional.linear(x.double(), w.double(), b.double()).float(),
+                               rtol=1e-5, atol=1e-4)
+
+
 def test_small_m_linear_declines_what_it_does_not_cover():
     w = torch.randn(16, 32)
     assert cpu_ops.linear(torch.randn(cpu_ops.LINEAR_MAX_ROWS + 1, 32), w) is None   # a GEMM
