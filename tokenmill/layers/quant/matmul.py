@@ -5,7 +5,7 @@ few rows). With many rows (prefill) the matmul is compute-bound and MKL's fp32 G
 freshly dequantized weight is faster; ``kernel_max_rows`` is that crossover, measured with
 ``python -m tokenmill.bench.quant kernels``. With q8 activations, a weight tiled at load
 (qgemm.py) takes the tiled integer GEMM at every row count instead (with AVX-512 VNNI:
-2.5-3x the fp32 GEMM's rate at many rows, 2-3x the streaming kernel's at one row).
+1.9-3x the fp32 GEMM's rate at many rows, 2-4x the streaming kernel's at one row).
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ the steps with more rows than the streaming kernel takes (prefill chunks, batche
 when activations are q8, and the decode-sized ones too: what the streaming kernel computes
 (activations rounded to int8 per run of 32, exact integer block dots, int4's min term on the
 exact float group sums), summed in another order. Measured (2 threads, GOPS, /tmp sweeps on
-a Zen 4 box, SmolLM2 shapes): VNNI build 470-670 at 16-1024 rows vs oneDNN fp32 170-225,
-and 140-240 at one row vs the streaming q8 kernel's 60-77; AVX2 build 160-227 at 16-64 rows
+a Zen 4 box, SmolLM2 shapes): VNNI build 340-600 at 16-1024 rows vs oneDNN fp32 160-225,
+and 115-300 at one row vs the streaming q8 kernel's 42-75; AVX2 build 160-227 at 16-64 rows
 vs the streaming kernel's 88-141, and at one row 133-203 (int4) and 95-121 (int8) vs 48-78.
 With fp32 activations nothing is tiled and matmul.py works as before.
 """
