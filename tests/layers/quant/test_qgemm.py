@@ -50,6 +50,12 @@ def test_tiled_kernel_matches_q8_reference(kind, n, k, rows):
 
 
 @needs_kernel
+def test_tiled_kernel_takes_zero_rows():
+    t = qgemm.tile(_packed("i4-g32", 40, 64, 1))
+    assert qgemm.qgemm_q8(torch.empty(0, 64), t).shape == (0, 40)
+
+
+@needs_kernel
 @pytest.mark.parametrize("kind", ["i8-g32", "i4-g32"])
 def test_tiled_kernel_agrees_with_the_streaming_q8_kernel(kind):
     """Same integer block dots and scales: only the float summation order differs, and a row's

@@ -83,6 +83,8 @@ def qgemm_q8(x: torch.Tensor, t: Tiled) -> torch.Tensor:
     """x [M, K] float32 contiguous (stored column order) -> [M, N] float32."""
     m, k = x.shape
     y = torch.empty(m, t.out_features, dtype=torch.float32)
+    if m == 0:
+        return y
     lib = kernels.load()
     if lib.tm_qgemm_q8(x.data_ptr(), m, k, t.kind, t.qw.data_ptr(), t.sc.data_ptr(),
                        t.mn.data_ptr() if t.mn is not None else None,
