@@ -7,6 +7,8 @@
  * activations to int8 per run of 32 and uses integer dot products: ~2.6x the int4 rate and
  * 1.8x the int8 rate, at a small accuracy cost (measured with `tokenmill eval ppl
  * --chunk-size 8`); matmul.py picks one (TOKENMILL_QMM_ACTIVATIONS=fp32|q8, fp32 default).
+ * q8 matmuls of a weight with a tiled copy (made at load) take tm_qgemm_q8 instead
+ * (qgemm.c, included at the end): the same arithmetic, several times faster.
  *
  * Formats (row n of W, group g of G consecutive input columns):
  *   i8:  w = scale[n, g] * q,             q int8
