@@ -27,8 +27,12 @@ class ModelConfig:
     # Activations of int8 / int4 weight matmuls: "fp32" (exact up to summation order) or
     # "q8" (rounded to int8 per 32 values for integer dot products, as llama.cpp does: every
     # step on the tiled q8 GEMM, or decode-sized steps only without cpu_weight_prepack;
-    # faster, small accuracy cost). None: TOKENMILL_QMM_ACTIVATIONS or fp32.
-    quant_activations: Optional[str] = None
+    # faster, small accuracy cost).
+    quant_activations: str = "fp32"
+    # The fused CPU kernels (RMSNorm, RoPE, SiLU, small-M matmul, paged attention, the
+    # one-call decode stack; layers/cpu_ops.py) where the kernel library runs. False: plain
+    # PyTorch for all of them (the ablation baseline). Quantized matmuls keep their kernels.
+    cpu_kernels: bool = True
     # torch.compile (inductor) each decoder layer of the per-layer module path (prefill and
     # steps the one-call decode stack does not take); attention stays eager. Compiling takes
     # tens of seconds per new shape class, paid on first use.
@@ -43,8 +47,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ValueError(f"quantization must be a string or None, got {self.quantization!r}")
-        if self.quant_activations not in (None, "fp32", "q8"):
+        if self.quant_activations not in ("fp32", "q8"):
             raise ValueError(f"quant_activations must be 'fp32' or 'q8', got {self.quant_activations!r}")
+        if not isinstance(self.cpu_kernels, bool):
+            raise ValueError(f"cpu_kernels must be True or False, got {self.cpu_kernels!r}")
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty name or path")
         if self.dtype not in _DTYPES:

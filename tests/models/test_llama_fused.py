@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers import cpu_ops
+from tokenmill.layers import cpu_ops, native
 from tokenmill.models import llama_fused
 
-pytestmark = pytest.mark.skipif(not cpu_ops.active(), reason="fused CPU kernels not built here")
+# Skipped only where the kernels cannot exist; where they should, a failed build fails here.
+pytestmark = pytest.mark.skipif(not native.buildable(), reason="no C compiler, or a CPU without AVX2")
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [3, 3, 8], [12, 40, 11, 6, 6, 1, 30, 22, 19, 4, 5]]
 
@@ -23,7 +24,7 @@ def model_dir(request, tmp_path_factory):
 
 
 def _generate(model_dir, prompts, fused: bool, monkeypatch, calls: list, quantization=None,
-              kv_cache_dtype="auto"):
+              kv_cache_dtype="auto", activations="fp32"):
     real = llama_fused.run_layers
 
     def counting(*args):
@@ -32,7 +33,7 @@ def _generate(model_dir, prompts, fused: bool, monkeypatch, calls: list, quantiz
         return out
     monkeypatch.setattr(llama_fused, "run_layers", counting)
     llm = LLM(model=model_dir, skip_tokenizer_init=True, block_size=4, enable_prefix_caching=False,
-              quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+              quantization=quantization, kv_cache_dtype=kv_cache_dtype, quant_activations=activations)
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
@@ -50,7 +51,6 @@ def test_fused_stack_is_bit_identical_to_the_modules(model_dir, monkeypatch, tmp
     """":q8": int8-rounded activations for the int8 / int4 linears (the C stack calls the
     same integer-dot kernel); "gguf": a GGUF with Q4_0 / Q4_1 / Q8_0 tensors kept packed
     (float16 block scales)."""
-    from tokenmill.layers.quant.matmul import activation_mode, set_activation_mode
     prompts = (PROMPTS * 4)[:batch]   # 12: past the kernel's 4-row block
     quantization, _, activations = (quantization or "").partition(":")
     quantization = quantization or None
@@ -58,14 +58,10 @@ def test_fused_stack_is_bit_identical_to_the_modules(model_dir, monkeypatch, tmp
         model_dir, quantization = _gptq_checkpoint(model_dir, tmp_path), None
     if quantization == "gguf":
         model_dir = _tiny_gguf(tmp_path)
-    default = activation_mode()
-    set_activation_mode(activations or "fp32")
     used: list = []
-    try:
-        fused = _generate(model_dir, prompts, True, monkeypatch, used, quantization, kv)
-        plain = _generate(model_dir, prompts, False, monkeypatch, [], quantization, kv)
-    finally:
-        set_activation_mode(default)
+    activations = activations or "fp32"
+    fused = _generate(model_dir, prompts, True, monkeypatch, used, quantization, kv, activations)
+    plain = _generate(model_dir, prompts, False, monkeypatch, [], quantization, kv, activations)
     assert any(used), "the fused path never ran on decode steps"
     if max(map(len, prompts)) > 8:   # runs longer than the short-run kernel's: SDPA modules
         assert not all(used), "long prefill steps must take the module path"
@@ -140,15 +136,11 @@ def test_fused_stack_steps_aside(model_dir):
 
 def test_stacks_the_c_path_cannot_reproduce_are_not_planned(tmp_path, tiny_llama_dir):
     from tests.conftest import save_tiny_llama
-    from tokenmill.layers.quant.matmul import activation_mode, set_activation_mode
+    from tokenmill.layers.quant.methods import set_quant_activations
     save_tiny_llama(tmp_path, attention_bias=True)
     assert llama_fused.stack_plan(LLM(model=str(tmp_path), skip_tokenizer_init=True).engine.model) is None
-    default = activation_mode()
-    planned = llama_fused.stack_plan(LLM(model=tiny_llama_dir, skip_tokenizer_init=True,
-                                         quantization="int8").engine.model)
-    assert planned is not None and planned.usable()
-    set_activation_mode("q8")        # integer-dot activations: the C path runs them too
-    try:
-        assert planned.usable()
-    finally:
-        set_activation_mode(default)
+    model = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, quantization="int8").engine.model
+    planned = llama_fused.stack_plan(model)
+    assert planned is not None and planned.usable() and planned.activations() == "fp32"
+    set_quant_activations(model, "q8")   # integer-dot activations: the C path runs them too
+    assert planned.usable() and planned.activations() == "q8"

@@ -49,14 +49,8 @@ def test_kernel_path_equals_reference_path(tiny_llama_dir, scheme):
     """The whole model through the compiled kernel (float32 activations) vs through
     dequantize + F.linear."""
     from tokenmill.layers.linear import Linear
-    from tokenmill.layers.quant.matmul import activation_mode, set_activation_mode
     llm = _llm(tiny_llama_dir, scheme)
-    default = activation_mode()
-    set_activation_mode("fp32")
-    try:
-        fast = _run(llm)
-    finally:
-        set_activation_mode(default)
+    fast = _run(llm)
     for m in llm.engine.model.modules():
         if isinstance(m, Linear):
             m.quant_method.use_kernel = False
@@ -73,16 +67,11 @@ def test_q8_activation_kernel_stays_close_to_float_activations(tiny_llama_dir, s
     context): the same greedy token and close logprobs. The tiny random model (weights
     ~N(0, 0.3)) amplifies activation rounding far more than a trained one; SmolLM2's
     perplexity through this path is measured by `tokenmill eval ppl --chunk-size 8`."""
-    from tokenmill.layers.quant.matmul import activation_mode, set_activation_mode
+    from tokenmill.layers.quant.methods import set_quant_activations
     llm = _llm(tiny_llama_dir, scheme)
-    default = activation_mode()
-    try:
-        set_activation_mode("fp32")
-        exact = _run(llm)
-        set_activation_mode("q8")
-        q8 = _run(llm)
-    finally:
-        set_activation_mode(default)
+    exact = _run(llm)
+    set_quant_activations(llm.engine.model, "q8")
+    q8 = _run(llm)
     assert [a.token_ids[0] for a in q8] == [b.token_ids[0] for b in exact]
     gaps = [abs(a.logprobs[0][t].logprob - b.logprobs[0][t].logprob)
             for a, b in zip(q8, exact) for t in b.logprobs[0] if t in a.logprobs[0]]
@@ -90,26 +79,20 @@ def test_q8_activation_kernel_stays_close_to_float_activations(tiny_llama_dir, s
 
 
 def test_quant_activations_option_is_per_engine(tiny_llama_dir):
-    """``quant_activations="q8"`` on one engine computes what the process-wide q8 mode does,
-    and leaves other engines (and the process default) on float activations."""
-    from tokenmill.layers.quant.matmul import activation_mode, set_activation_mode
-    default = activation_mode()
-    q8_engine = LLM(model=tiny_llama_dir, quantization="int4-g32", skip_tokenizer_init=True,
-                    num_kv_blocks=64, quant_activations="q8", enable_prefix_caching=False)
-    per_engine = _run(q8_engine)
-    plain = _run(_llm(tiny_llama_dir, "int4-g32"))
-    assert activation_mode() == default
-    try:
-        set_activation_mode("q8")
-        process_wide = _run(_llm(tiny_llama_dir, "int4-g32"))
-        set_activation_mode("fp32")
-        assert _run(q8_engine) == per_engine   # the engine's own setting wins (no cached
-        # prefix: a cache hit would turn the last prompt token into a decode-sized step)
-    finally:
-        set_activation_mode(default)
-    lp = [[{t: v.logprob for t, v in pos.items()} for pos in o.logprobs] for o in per_engine]
-    assert lp == [[{t: v.logprob for t, v in pos.items()} for pos in o.logprobs] for o in process_wide]
-    assert lp != [[{t: v.logprob for t, v in pos.items()} for pos in o.logprobs] for o in plain]
+    """Two engines in one process with different ``quant_activations``: each computes with
+    its own setting, whatever the other ran, and a fresh q8 engine computes the same again."""
+    def q8_engine():   # no prefix cache: a hit would turn the last prompt token into a decode step
+        return LLM(model=tiny_llama_dir, quantization="int4-g32", skip_tokenizer_init=True,
+                   num_kv_blocks=64, quant_activations="q8", enable_prefix_caching=False)
+
+    def logprobs(outs):
+        return [[{t: v.logprob for t, v in pos.items()} for pos in o.logprobs] for o in outs]
+    q8 = q8_engine()
+    plain = _llm(tiny_llama_dir, "int4-g32")
+    per_engine, plain_out = _run(q8), _run(plain)
+    assert _run(q8) == per_engine   # after the fp32 engine ran
+    assert logprobs(_run(q8_engine())) == logprobs(per_engine)
+    assert logprobs(per_engine) != logprobs(plain_out)
     with pytest.raises(ValueError, match="quant_activations"):
         LLM(model=tiny_llama_dir, skip_tokenizer_init=True, quant_activations="int4")
 

@@ -26,17 +26,13 @@ def test_gguf_packed_equals_fp32_expansion(activations, tol):
     activations that coarsen their 32-value runs, and rounding to int8 amplifies last-bit
     differences), and greedy tokens equal until a position where the float model's top two
     are that close. A broken kernel is off by many nats."""
-    from tokenmill.layers.quant.matmul import activation_mode, set_activation_mode
+    from tokenmill.layers.quant.methods import set_quant_activations
     fp32 = LLM(PATH, num_kv_blocks=32, max_model_len=128)
     packed = LLM(PATH, quantization="gguf", num_kv_blocks=32, max_model_len=128)
     # packed blocks and no float copy of the tied embedding: ~21% of the fp32 bytes
     assert packed.get_memory_stats()["model_weights"] < 0.25 * fp32.get_memory_stats()["model_weights"]
-    default = activation_mode()
-    set_activation_mode(activations)
-    try:
-        got = _greedy(packed)
-    finally:
-        set_activation_mode(default)
+    set_quant_activations(packed.engine.model, activations)   # after load: no tiled copy
+    got = _greedy(packed)
     for a, b in zip(got, _greedy(fp32)):
         for la, lb, ta, tb in zip(a.logprobs, b.logprobs, a.token_ids, b.token_ids):
             if ta != tb:

@@ -263,18 +263,8 @@ def _variants(ctx: Context, name: str):
         return "main", Variant(on, before_run=_reset_prefix_cache(on)), \
             Variant(off, before_run=_reset_prefix_cache(off)), f"float32 (on: {scheme})"
     if name == "cpu_fast_paths":
-        from tokenmill.layers import cpu_ops
-        llm = ctx.llm(attention_backend="reference")
-        reset_off = _reset_prefix_cache(llm)
-
-        def on_run() -> None:
-            cpu_ops.set_enabled(True)
-            base.before_run()
-
-        def off_run() -> None:   # the fused C kernels are process-wide: switch them per run
-            cpu_ops.set_enabled(False)
-            reset_off()
-        return "main", Variant(base.llm, before_run=on_run), Variant(llm, before_run=off_run), \
+        llm = ctx.llm(attention_backend="reference", cpu_kernels=False, cpu_weight_prepack=False)
+        return "main", base, Variant(llm, before_run=_reset_prefix_cache(llm)), \
             "reference attention, no fused C kernels (norm, rope, silu, GEMV, paged attention, one-call decode stack), no prepacked weights"
     if name == "weight_prepack":
         llm = ctx.llm(cpu_weight_prepack=False)
@@ -310,8 +300,6 @@ def run(args) -> int:
         rows.append(row)
         del on, off
         gc.collect()
-    from tokenmill.layers import cpu_ops
-    cpu_ops.set_enabled(True)   # cpu_fast_paths may have left the kernels off
     bar.close()
     result = {"bench": "ablate", "model": args.model, "num_prompts": args.num_prompts,
               "output_len": args.output_len, "fixed_output_len": args.fixed_output_len,

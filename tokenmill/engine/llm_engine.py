@@ -11,6 +11,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import Processor, PromptType
 from tokenmill.engine.stats import EngineStats
+from tokenmill.layers import native
 from tokenmill.models.hub import resolve_model
 from tokenmill.models.loader import load_tokenizer, open_checkpoint
 from tokenmill.outputs import RequestOutput
@@ -37,10 +38,13 @@ class LLMEngine:
         self.max_model_len = _decide_max_model_len(mc.max_model_len, hf)
         self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(self.model_path)
         torch.manual_seed(mc.seed)
+        if self.device.type == "cpu":
+            native.build()   # compile the kernels now (cached per machine), not in a request
         self.model = build_model(checkpoint, self.device, self.dtype, self.max_model_len,
                                  quantization=mc.quantization,
                                  quant_activations=mc.quant_activations,
-                                 cpu_weight_prepack=mc.cpu_weight_prepack)
+                                 cpu_weight_prepack=mc.cpu_weight_prepack,
+                                 cpu_kernels=mc.cpu_kernels)
         self.weight_bytes = sum(p.numel() * p.element_size()
                                 for p in {id(p): p for p in self.model.parameters()}.values())
         a = self.model.args
@@ -58,7 +62,7 @@ class LLMEngine:
         # The runner's dtype argument is the KV storage dtype (it allocates the caches).
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.device,
                                   self.kv_dtype, mc.attention_backend, seed=mc.seed,
-                                  torch_compile=mc.torch_compile)
+                                  torch_compile=mc.torch_compile, cpu_kernels=mc.cpu_kernels)
         lookahead = 0
         if config.speculative is not None:
             from tokenmill.spec.decoder import build_spec_decoder

@@ -11,8 +11,16 @@ from tokenmill.config import KV_CACHE_DTYPES
 
 
 def _default_cache_dir() -> Optional[str]:
-    # The one place an env var is read: the CLI turns it into an explicit argument.
+    # The CLI is the one place env vars are read: each becomes an explicit argument.
     return os.environ.get("TOKENMILL_CACHE")
+
+
+def _env_default(name: str, choices: tuple, fallback: str) -> str:
+    """A flag's default from the environment (for scripts that set it once), validated."""
+    value = os.environ.get(name, fallback)
+    if value not in choices:
+        raise SystemExit(f"tokenmill: {name}={value!r} must be one of {', '.join(choices)}")
+    return value
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -36,9 +44,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None,
                    help="weights: int8, int4, int4-g32|g64|g128, fp8 (online RTN) or gguf (keep a "
                         "GGUF's Q8_0 / Q4_0 / Q4_1 blocks packed); GPTQ / AWQ / FP8 checkpoints need none")
-    g.add_argument("--quant-activations", default=None, choices=["fp32", "q8"],
+    g.add_argument("--quant-activations", choices=["fp32", "q8"],
+                   default=_env_default("TOKENMILL_QMM_ACTIVATIONS", ("fp32", "q8"), "fp32"),
                    help="activations of int8 / int4 weight matmuls: fp32 (exact, default) or q8 "
-                        "(int8 per 32 values, integer dot products as llama.cpp: faster)")
+                        "(int8 per 32 values, integer dot products as llama.cpp: faster); "
+                        "default from TOKENMILL_QMM_ACTIVATIONS")
+    g.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction,
+                   default=_env_default("TOKENMILL_CPU_KERNELS", ("0", "1"), "1") == "1",
+                   help="fused C kernels for norms, RoPE, SiLU, small matmuls, paged attention "
+                        "and the one-call decode stack (default on; TOKENMILL_CPU_KERNELS=0 "
+                        "turns the default off)")
     g.add_argument("--torch-compile", action="store_true",
                    help="torch.compile the per-layer path (prefill); first use of each shape "
                         "class compiles for tens of seconds")
@@ -75,6 +90,7 @@ def _make_llm(args):
                num_threads=args.num_threads, cache_dir=_default_cache_dir(),
                quantization=args.quantization, quant_activations=args.quant_activations,
                torch_compile=args.torch_compile, cpu_weight_prepack=args.cpu_weight_prepack,
+               cpu_kernels=args.cpu_kernels,
                speculative_config=_json_arg("--speculative-config", args.speculative_config),
                speculative_model=args.speculative_model,
                num_speculative_tokens=args.num_speculative_tokens)
@@ -185,6 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_verify_spec_parser(sub)
     from tokenmill.entrypoints.cli_quant import add_quant_parsers
     add_quant_parsers(sub)
+    from tokenmill.entrypoints.cli_env import add_env_parser
+    add_env_parser(sub)
     return parser
 
 

@@ -25,8 +25,8 @@ class LLM:
                  speculative_model: Optional[str] = None,
                  num_speculative_tokens: Optional[int] = None,
                  quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
-                 quant_activations: Optional[str] = None, torch_compile: bool = False,
-                 cpu_weight_prepack: bool = True) -> None:
+                 quant_activations: str = "fp32", torch_compile: bool = False,
+                 cpu_weight_prepack: bool = True, cpu_kernels: bool = True) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               skip_tokenizer_init=skip_tokenizer_init,
@@ -34,7 +34,8 @@ class LLM:
                               quantization=quantization,
                               quant_activations=quant_activations,
                               torch_compile=torch_compile,
-                              cpu_weight_prepack=cpu_weight_prepack),
+                              cpu_weight_prepack=cpu_weight_prepack,
+                              cpu_kernels=cpu_kernels),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory=kv_cache_memory,
                               gpu_memory_utilization=gpu_memory_utilization,

@@ -8,8 +8,10 @@ from tokenmill.layers import cpu_ops
 class SiluAndMul(nn.Module):
     """silu(gate) * up (Llama, Mistral, Qwen)."""
 
+    cpu_kernels = True   # the fused C kernel where it applies (cpu_ops.set_cpu_kernels)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, 2*inter] -> [T, inter]
-        fused = cpu_ops.silu_mul(x)
+        fused = cpu_ops.silu_mul(x) if self.cpu_kernels else None
         if fused is not None:
             return fused
         gate, up = x.chunk(2, dim=-1)

@@ -1,71 +1,40 @@
 """Fused float32 CPU kernels (cpu_ops.c, cpu_attention.c) for the small per-layer ops of a step, each beside
 the plain-PyTorch reference it must match.
 
-Every entry point returns None when the fast path does not apply (no compiler or AVX2, a
-non-CPU tensor, not float32, an unsupported layout, or turned off), and the caller then runs
-its PyTorch code. Turn the kernels off with ``TOKENMILL_CPU_KERNELS=0`` or
-``set_enabled(False)`` (the benchmark ablation does).
+Every entry point returns None when the fast path does not apply (the kernel library does
+not run here, a non-CPU tensor, not float32, an unsupported layout), and the caller then
+runs its PyTorch code. Whether a model uses these at all is its own setting
+(``ModelConfig.cpu_kernels``): the modules and strategies that call them carry a
+``cpu_kernels`` attribute, set for one model by ``set_cpu_kernels``.
 """
 from __future__ import annotations
 
-import ctypes
-import os
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.quant.kernels import open_library
-
-_SOURCE = os.path.join(os.path.dirname(__file__), "cpu_kernels.c")   # includes the .c files
-_lib: Optional[ctypes.CDLL] = None
-_tried = False
-_enabled = os.environ.get("TOKENMILL_CPU_KERNELS", "1") != "0"
+from tokenmill.layers import native
 
 
-def set_enabled(flag: bool) -> None:
-    global _enabled
-    _enabled = bool(flag)
+def tracing() -> bool:
+    """torch.compile is tracing: the plain torch ops are what the compiler fuses, so every
+    fast path steps aside."""
+    return torch.compiler.is_compiling()
 
 
-def _load() -> Optional[ctypes.CDLL]:
-    global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    lib = open_library(_SOURCE)
-    if lib is None:
-        return None
-    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.tm_rms_norm.argtypes = [p, p, p, f32, i64, i64, p, i32]
-    lib.tm_rms_norm.restype = None
-    lib.tm_rope.argtypes = [p, p, i64, i64, i64, i64, i64, i64, p, p, p]
-    lib.tm_rope.restype = None
-    lib.tm_silu_mul.argtypes = [p, i64, i64, p, i32]
-    lib.tm_silu_mul.restype = None
-    lib.tm_linear_small_m.argtypes = [p, i64, i64, p, i64, p, p, i32]
-    lib.tm_linear_small_m.restype = None
-    lib.tm_paged_attention.argtypes = [p, i64, i64, i64, p, p, p, p, i64, i64, p, i64, i64, p, p, p,
-                                       f32, i64, p, i32]
-    lib.tm_paged_attention.restype = i32
-    lib.tm_llama_decode.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, p, i64, i64, i64, i64, f32,
-                                    p, p, p, p, i64, p, i64, i64, p, p, p, f32, p, i32, i32]
-    lib.tm_llama_decode.restype = i32
-    _lib = lib
-    return lib
+def available() -> bool:
+    """True when the kernel library runs on this machine and nothing is being traced."""
+    return not tracing() and native.library() is not None
 
 
-def fast_paths_on() -> bool:
-    """The switch alone (no build needed): for fast paths that are not our C kernels."""
-    return _enabled and not torch.compiler.is_compiling()
-
-
-def active() -> bool:
-    """True when the kernels are turned on and built for this machine (and not while
-    torch.compile traces: there the plain torch ops are what the compiler fuses)."""
-    if not fast_paths_on():
-        return False
-    return _lib is not None or _load() is not None
+def set_cpu_kernels(model: torch.nn.Module, enabled: bool) -> None:
+    """Turn the fused CPU kernels on or off for one model: every module, and every linear
+    strategy, that has a ``cpu_kernels`` attribute gets ``enabled``."""
+    for module in model.modules():
+        for owner in (module, getattr(module, "quant_method", None)):
+            if owner is not None and hasattr(owner, "cpu_kernels"):
+                owner.cpu_kernels = bool(enabled)
 
 
 _F32 = torch.float32
@@ -89,7 +58,7 @@ LINEAR_MAX_ROWS = 16  # the kernel streams W once per 4 rows (GEMV_MAX_M in cpu_
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """x [..., K] with at most LINEAR_MAX_ROWS rows -> x W^T + b, streaming W once per 4 rows."""
-    if not (active() and _ok(x, weight) and x.is_contiguous() and weight.is_contiguous()
+    if not (available() and _ok(x, weight) and x.is_contiguous() and weight.is_contiguous()
             and weight.dim() == 2 and x.shape[-1] == weight.shape[1]):
         return None
     m = x.numel() // max(x.shape[-1], 1)
@@ -97,7 +66,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
         return None
     n, k = weight.shape
     y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    _lib.tm_linear_small_m(x.data_ptr(), m, k, weight.data_ptr(), n,
+    native.library().tm_linear_small_m(x.data_ptr(), m, k, weight.data_ptr(), n,
                            bias.data_ptr() if bias is not None else None, y.data_ptr(),
                            torch.get_num_threads())
     return y
@@ -118,7 +87,7 @@ def linear_many_rows(x: torch.Tensor, weight: torch.Tensor,
     """x [M, K] @ W[N, K]^T (+ b) for prefill / large batches: F.linear, by slices of
     GEMM_N_SLICE output rows when W has more than 2 slices (CPU float32)."""
     n = weight.shape[0]
-    if not (x.dim() == 2 and n > 2 * GEMM_N_SLICE and _ok(x, weight) and fast_paths_on()):
+    if not (x.dim() == 2 and n > 2 * GEMM_N_SLICE and _ok(x, weight) and not tracing()):
         return F.linear(x, weight, bias)
     y = linear_by_row_slices(x, n, lambda n0, n1: weight[n0:n1])
     if bias is not None:
@@ -138,7 +107,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """x [T, H] -> norm(x) * weight. With ``residual`` [T, H]: residual += x in place and
     the result is norm(residual) * weight (the fused add + norm of a decoder layer)."""
-    if not (active() and x.dim() == 2 and _ok(x, weight) and x.is_contiguous()
+    if not (available() and x.dim() == 2 and _ok(x, weight) and x.is_contiguous()
             and weight.is_contiguous()):
         return None
     if residual is not None and not (_ok(residual) and residual.is_contiguous()
@@ -146,7 +115,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         return None
     t, h = x.shape
     out = torch.empty_like(x)
-    _lib.tm_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+    native.library().tm_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
                      weight.data_ptr(), eps, t, h, out.data_ptr(), torch.get_num_threads())
     return out
 
@@ -163,7 +132,7 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     """Neox rotary of q [T, Hq, D] and k [T, Hkv, D] in place, using cos/sin tables [P, D] at
     ``positions`` [T] int64. q / k may be row-strided views (heads contiguous). False when
     not applicable (nothing changed)."""
-    if not (active() and _ok(q, k, cos, sin) and positions.dtype == torch.int64
+    if not (available() and _ok(q, k, cos, sin) and positions.dtype == torch.int64
             and positions.device.type == "cpu" and positions.is_contiguous()
             and cos.is_contiguous() and sin.is_contiguous()):
         return False
@@ -171,7 +140,7 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     if (q.stride(2) != 1 or q.stride(1) != d or k.stride(2) != 1 or k.stride(1) != d
             or k.shape[0] != t or positions.shape[0] != t or d % 2):
         return False
-    _lib.tm_rope(q.data_ptr(), k.data_ptr(), t, hq, k.shape[1], d, q.stride(0), k.stride(0),
+    native.library().tm_rope(q.data_ptr(), k.data_ptr(), t, hq, k.shape[1], d, q.stride(0), k.stride(0),
                  cos.data_ptr(), sin.data_ptr(), positions.data_ptr())
     return True
 
@@ -179,11 +148,11 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 # -- silu(gate) * up ----------------------------------------------------------------------
 def silu_mul(x: torch.Tensor) -> Optional[torch.Tensor]:
     """x [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
-    if not (active() and x.dim() == 2 and _ok(x) and x.is_contiguous() and x.shape[1] % 2 == 0):
+    if not (available() and x.dim() == 2 and _ok(x) and x.is_contiguous() and x.shape[1] % 2 == 0):
         return None
     t, two_i = x.shape
     out = torch.empty(t, two_i // 2, dtype=torch.float32)
-    _lib.tm_silu_mul(x.data_ptr(), t, two_i // 2, out.data_ptr(), torch.get_num_threads())
+    native.library().tm_silu_mul(x.data_ptr(), t, two_i // 2, out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -210,14 +179,14 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     rows of out [T, Hq, D]; False when not applicable (nothing written)."""
     k_data, k_scale = _cache_parts(k_cache)
     v_data, v_scale = _cache_parts(v_cache)
-    if not (active() and k_data is not None and v_data is not None and _ok(query, out)
+    if not (available() and k_data is not None and v_data is not None and _ok(query, out)
             and query.stride(2) == 1 and query.stride(1) == query.shape[2] and out.is_contiguous()
             and block_tables.dtype == torch.int64 and block_tables.is_contiguous()
             and block_tables.device.type == "cpu"):
         return False
     _, hq, d = query.shape
     _, bs, hkv, _ = k_cache.shape
-    failed = _lib.tm_paged_attention(
+    failed = native.library().tm_paged_attention(
         query.data_ptr(), query.stride(0), hq, d, k_data.data_ptr(), v_data.data_ptr(),
         k_scale.data_ptr() if k_scale is not None else None,
         v_scale.data_ptr() if v_scale is not None else None, bs, hkv,

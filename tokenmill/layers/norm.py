@@ -9,24 +9,29 @@ from tokenmill.layers import cpu_ops
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 like the HF reference."""
 
+    cpu_kernels = True   # the fused C kernel where it applies (cpu_ops.set_cpu_kernels)
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [..., hidden]
-        fused = cpu_ops.rms_norm(x, self.weight, self.eps) if type(self) is RMSNorm else None
+        fused = cpu_ops.rms_norm(x, self.weight, self.eps) if self._fused() else None
         if fused is not None:
             return fused
         x32 = x.float()
         var = x32.pow(2).mean(-1, keepdim=True)
         return (self.weight * (x32 * torch.rsqrt(var + self.eps))).to(x.dtype)
 
+    def _fused(self) -> bool:
+        return self.cpu_kernels and type(self) is RMSNorm   # subclasses compute differently
+
     def add_and_norm(self, update: torch.Tensor, residual: torch.Tensor) -> tuple:
         """(norm(residual + update), residual + update). ``update`` is a fresh tensor the
         caller gives up: the fused CPU kernel writes the sum into it instead of allocating."""
         fused: Optional[torch.Tensor] = None
-        if type(self) is RMSNorm:
+        if self._fused():
             fused = cpu_ops.rms_norm(residual, self.weight, self.eps, residual=update)
         if fused is not None:
             return fused, update

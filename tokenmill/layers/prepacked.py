@@ -56,7 +56,7 @@ def linear(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> O
     """x [M, K] @ W^T (+ b) through the layer's prepacked weight; None when it has none, it
     is stale, the CPU fast paths are off, or torch.compile is tracing."""
     entry = getattr(layer, "prepacked", None)
-    if (entry is None or entry[1] != layer.weight.data_ptr() or not cpu_ops.fast_paths_on()
+    if (entry is None or entry[1] != layer.weight.data_ptr() or cpu_ops.tracing()
             or x.dim() != 2 or x.dtype is not torch.float32 or x.is_cuda
             or (bias is not None and bias.dtype is not torch.float32)):
         return None

@@ -92,6 +92,8 @@ def compute_inv_freq(rotary_dim: int, base: float, scaling: Optional[dict]) -> t
 
 
 class RotaryEmbedding(nn.Module):
+    cpu_kernels = True   # the fused C kernel where it applies (cpu_ops.set_cpu_kernels)
+
     def __init__(self, head_dim: int, max_position: int, base: float,
                  scaling: Optional[dict] = None) -> None:
         super().__init__()
@@ -122,7 +124,7 @@ class RotaryEmbedding(nn.Module):
     def _fused_ok(self, positions: torch.Tensor, step_cache: Optional[dict]) -> bool:
         # The kernel indexes the tables without bounds checks: check the positions once per
         # step (the per-step cache is shared by all layers).
-        if not cpu_ops.active() or positions.device.type != "cpu":
+        if not (self.cpu_kernels and cpu_ops.available()) or positions.device.type != "cpu":
             return False
         key = ("rope_in_range", id(self))
         ok = step_cache.get(key) if step_cache is not None else None

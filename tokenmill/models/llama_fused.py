@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tokenmill.layers import cpu_ops
+from tokenmill.layers import cpu_ops, native
 
 
 DEC_PARTS, DEC_FIELDS = 4, 10   # cpu_decode.c: parts per linear, int64 fields per part
@@ -99,11 +99,10 @@ class _StackPlan:
                                     for lin, _, pin in descs if isinstance(pin, list)}.values())
 
     def activations(self) -> Optional[str]:
-        """"q8" / "fp32": what every packed linear takes now; None if they differ."""
-        from tokenmill.layers.quant.matmul import activation_mode
-        default = activation_mode()
-        modes = {m.activations or default for m in self.packed_methods}
-        return modes.pop() if len(modes) == 1 else (default if not modes else None)
+        """"q8" / "fp32": what every packed linear takes now ("fp32" without packed
+        linears); None if they differ."""
+        modes = {m.activations for m in self.packed_methods}
+        return modes.pop() if len(modes) == 1 else ("fp32" if not modes else None)
 
     def usable(self) -> bool:
         """Same weights as when planned and no hooks that eager mode would run."""
@@ -186,7 +185,8 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
     the fused path does not apply."""
     t = x.shape[0]
     if not (0 < t <= cpu_ops.LINEAR_MAX_ROWS and getattr(backend, "name", None) == "cpu"
-            and cpu_ops.active() and _fp32_cpu(x) and positions.dtype is torch.int64):
+            and backend.cpu_kernels and cpu_ops.available() and _fp32_cpu(x)
+            and positions.dtype is torch.int64):
         return None
     from tokenmill.layers.attention.cpu import MAX_BATCHED_QUERY_LEN
     if meta.max_query_len > MAX_BATCHED_QUERY_LEN:
@@ -214,7 +214,7 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
     seq_len = meta.seq_lens.contiguous()
     slots = meta.slot_mapping.contiguous()
     kc, vc, ks, vs = caches
-    failed = cpu_ops._lib.tm_llama_decode(
+    failed = native.library().tm_llama_decode(
         x.data_ptr(), t, h, plan.num_layers, plan.ln1.data_ptr(), plan.ln2.data_ptr(),
         plan.linears.data_ptr(), kc.data_ptr(), vc.data_ptr(),
         ks.data_ptr() if ks is not None else None, vs.data_ptr() if vs is not None else None,

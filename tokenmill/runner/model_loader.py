@@ -5,11 +5,12 @@ from typing import Optional
 
 import torch
 
+from tokenmill.layers.cpu_ops import set_cpu_kernels
 from tokenmill.layers.prepacked import prepack_linears
 from tokenmill.layers.quant import (attach_quantization, checkpoint_tensors,
                                     process_weights_after_loading, resolve_quant_spec)
 from tokenmill.layers.quant.embedding import share_packed_head_with_embedding
-from tokenmill.layers.quant.methods import PackedLinearMethod
+from tokenmill.layers.quant.methods import set_quant_activations
 from tokenmill.layers.quant.qgemm import tile_packed_linears
 from tokenmill.models.registry import model_class
 from tokenmill.models.weights import load_weights
@@ -17,11 +18,12 @@ from tokenmill.models.weights import load_weights
 
 def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
                 max_model_len: int, quantization: Optional[str] = None,
-                quant_activations: Optional[str] = None,
-                cpu_weight_prepack: bool = False) -> torch.nn.Module:
+                quant_activations: str = "fp32",
+                cpu_weight_prepack: bool = False, cpu_kernels: bool = True) -> torch.nn.Module:
     """``quantization``: None / "int8" / "int4[-gN]" / "fp8" / "gguf"; a quantized
     checkpoint (GPTQ, AWQ, FP8 config) brings its own scheme. ``quant_activations``: "fp32"
-    / "q8" for the packed linears' matmuls (None: the process default).
+    / "q8" for the packed linears' matmuls. ``cpu_kernels``: the fused C kernels where
+    they apply (layers/cpu_ops.py), else plain PyTorch everywhere.
     ``cpu_weight_prepack``: float32 CPU linears get a oneDNN copy of their weight
     (layers/prepacked.py), and packed int8 / int4 linears with q8 activations a tiled copy
     for the tiled q8 GEMM (layers/quant/qgemm.py); ``model.prepacked_bytes`` says what it added."""
@@ -37,10 +39,8 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     model.to(dtype=dtype)
     process_weights_after_loading(model)      # strategies repack what they loaded
     share_packed_head_with_embedding(model)   # tied: no float copy of a packed head
-    if quant_activations is not None:
-        for m in model.modules():
-            if isinstance(getattr(m, "quant_method", None), PackedLinearMethod):
-                m.quant_method.activations = quant_activations
+    set_quant_activations(model, quant_activations)
+    set_cpu_kernels(model, cpu_kernels)
     model.prepacked_bytes = prepack_linears(model) + tile_packed_linears(model) \
         if cpu_weight_prepack else 0
     model.quantization_method = spec.method   # what runs (a checkpoint's own scheme too)

@@ -29,7 +29,7 @@ def compile_layers(model: torch.nn.Module, backend) -> None:
     """torch.compile every decoder layer in place (shapes dynamic: one graph serves every
     token count of a shape class). The attention backend stays eager (its paged-cache
     bookkeeping is Python); the fused CPU kernels step aside while tracing
-    (cpu_ops.active), so inductor fuses the norm / RoPE / SiLU ops itself. Layers run by
+    (cpu_ops.tracing), so inductor fuses the norm / RoPE / SiLU ops itself. Layers run by
     the one-call decode stack (llama_fused) are not affected."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
@@ -42,7 +42,7 @@ def compile_layers(model: torch.nn.Module, backend) -> None:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
-                 seed: int = 0, torch_compile: bool = False) -> None:
+                 seed: int = 0, torch_compile: bool = False, cpu_kernels: bool = True) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -50,7 +50,7 @@ class ModelRunner:
         self.vocab_size = a.vocab_size
         self.kv_caches = allocate_kv_caches(a.num_hidden_layers, num_blocks, block_size,
                                             a.num_key_value_heads, a.head_dim, dtype, device)
-        self.backend = get_attention_backend(attention_backend)
+        self.backend = get_attention_backend(attention_backend, cpu_kernels)
         if torch_compile:
             compile_layers(model, self.backend)
         self.sampler = Sampler()

@@ -206,7 +206,7 @@ def _load_draft(path: str, runner, max_model_len: int, num_blocks: int, cache_di
     from tokenmill.runner.model_loader import build_model
     dtype = runner.kv_caches[0][0].dtype
     draft = build_model(open_checkpoint(resolve_model(path, cache_dir=cache_dir)), runner.device,
-                        dtype, max_model_len)
+                        dtype, max_model_len, cpu_kernels=runner.backend.cpu_kernels)
     if draft.args.vocab_size != runner.vocab_size:
         raise ValueError(f"draft model vocabulary ({draft.args.vocab_size}) differs from the "
                          f"target's ({runner.vocab_size}); they must share the tokenizer")

@@ -4,11 +4,12 @@ import pytest
 import torch
 
 from tokenmill.layers.quant import formats as F
+from tokenmill.layers import native
 from tokenmill.layers.quant import kernels
-from tokenmill.layers.quant.matmul import (activation_mode, packed_linear, quantize_activations_q8,
-                                           reference_linear, set_activation_mode)
+from tokenmill.layers.quant.matmul import packed_linear, quantize_activations_q8, reference_linear
 
-DEFAULT_MODE = activation_mode()
+# Skipped only where the kernel cannot exist; where it should, a failed build fails the test.
+needs_kernel = pytest.mark.skipif(not native.buildable(), reason="no C compiler, or a CPU without AVX2")
 
 SHAPES = [(96, 64, 32), (64, 256, 128), (200, 576, 64), (33, 1536, 32)]   # N, K, group
 
@@ -59,7 +60,7 @@ def test_pick_group_size():
     assert F.pick_group_size(576, 32) == 32
 
 
-@pytest.mark.skipif(not kernels.available(), reason="kernel needs x86-64 AVX2 and a C compiler")
+@needs_kernel
 @pytest.mark.parametrize("kind", ["i8", "i8g", "i4", "f8"])
 @pytest.mark.parametrize("n,k,group", SHAPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])
@@ -70,15 +71,11 @@ def test_kernel_matches_reference(kind, n, k, group, rows, mode):
     p = _packed(kind, w, group)
     x = torch.randn(rows, k)
     ref = reference_linear(x, p, activations=mode)
-    set_activation_mode(mode)
-    try:
-        got = packed_linear(x, p, kernel_max_rows=64)
-    finally:
-        set_activation_mode(DEFAULT_MODE)
+    got = packed_linear(x, p, kernel_max_rows=64, activations=mode)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-@pytest.mark.skipif(not kernels.available(), reason="kernel needs x86-64 AVX2 and a C compiler")
+@needs_kernel
 def test_kernel_activation_quantization_equals_reference():
     torch.manual_seed(5)
     x = torch.randn(3, 96) * torch.tensor([0.01, 1.0, 300.0]).repeat_interleave(32)
@@ -89,7 +86,7 @@ def test_kernel_activation_quantization_equals_reference():
     assert q.abs().max() <= 127
 
 
-@pytest.mark.skipif(not kernels.available(), reason="kernel needs x86-64 AVX2 and a C compiler")
+@needs_kernel
 def test_q8_activations_stay_close_to_float():
     torch.manual_seed(6)
     w, x = torch.randn(64, 256), torch.randn(2, 256)
@@ -99,7 +96,7 @@ def test_q8_activations_stay_close_to_float():
     assert (q8 - exact).abs().max() < 0.02 * exact.abs().max()
 
 
-@pytest.mark.skipif(not kernels.available(), reason="kernel needs x86-64 AVX2 and a C compiler")
+@needs_kernel
 def test_kernel_with_column_permutation_and_bias():
     """GPTQ act-order: columns stored sorted by group, x permuted to match."""
     torch.manual_seed(1)
@@ -109,7 +106,7 @@ def test_kernel_with_column_permutation_and_bias():
     p.perm = perm
     x, bias = torch.randn(3, 128), torch.randn(64)
     torch.testing.assert_close(packed_linear(x, p, bias),
-                               reference_linear(x, p, bias, activations=activation_mode()),
+                               reference_linear(x, p, bias),
                                rtol=1e-4, atol=1e-4)
     # the reference undoes the permutation: it dequantizes close to the original weight
     assert (F.dequantize(p) - w).abs().max() < 0.5
@@ -123,7 +120,7 @@ def test_fallback_path_equals_reference():
     torch.testing.assert_close(packed_linear(x, p, use_kernel=False), reference_linear(x, p))
 
 
-@pytest.mark.skipif(not kernels.available(), reason="kernel needs x86-64 AVX2 and a C compiler")
+@needs_kernel
 @pytest.mark.parametrize("kind", ["i8", "i8g", "i4", "f8"])
 def test_compiled_dequant_equals_reference(kind):
     torch.manual_seed(3)

@@ -10,7 +10,7 @@ from tokenmill.layers.quant import formats
 from tokenmill.layers.quant.checkpoint_methods import (AWQMethod, FP8CheckpointMethod, GPTQMethod,
                                                        awq_pack, awq_unpack, pack_int32, unpack_int32)
 from tokenmill.layers.quant.methods import FP8Method, Int4Method, Int8Method
-from tokenmill.layers.quant.matmul import activation_mode, reference_linear
+from tokenmill.layers.quant.matmul import reference_linear
 from tokenmill.quantization import writer
 from tokenmill.quantization.gptq import HessianAccumulator, gptq, rtn
 
@@ -29,7 +29,7 @@ def _merged(method):
 
 def _forward_matches_reference(layer, x):
     y = layer(x)
-    ref = torch.cat([reference_linear(x, p, activations=activation_mode()) for p in layer.packed], dim=-1)
+    ref = torch.cat([reference_linear(x, p) for p in layer.packed], dim=-1)
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
     return y
 
@@ -157,5 +157,5 @@ def test_gguf_repack_equals_dequantize(type_name, type_id):
     x = torch.randn(2, k)
     from tokenmill.layers.quant.matmul import packed_linear
     torch.testing.assert_close(reference_linear(x, p), F.linear(x, expected), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(packed_linear(x, p), reference_linear(x, p, activations=activation_mode()),
+    torch.testing.assert_close(packed_linear(x, p), reference_linear(x, p),
                                rtol=1e-4, atol=1e-4)

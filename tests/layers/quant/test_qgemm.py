@@ -6,11 +6,13 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.quant import formats as F
+from tokenmill.layers import native
 from tokenmill.layers.quant import kernels, qgemm
 from tokenmill.layers.quant.matmul import packed_linear, reference_linear
 
-needs_kernel = pytest.mark.skipif(not qgemm.available(), reason="kernel needs x86-64 AVX2 and a C compiler")
-needs_vnni = pytest.mark.skipif(not kernels.has_vnni(), reason="the VNNI build needs AVX-512 VNNI")
+needs_kernel = pytest.mark.skipif(not native.buildable(), reason="no C compiler, or a CPU without AVX2")
+needs_vnni = pytest.mark.skipif(not (native.has_vnni() and native.buildable()),
+                                reason="the VNNI build needs AVX-512 VNNI")
 
 
 def _packed(kind: str, n: int, k: int, seed: int) -> F.Packed:
@@ -123,8 +125,8 @@ def both_builds(tmp_path_factory):
     """The kernel library built without and with AVX-512 VNNI."""
     import ctypes
     out = tmp_path_factory.mktemp("qmm_builds")
-    return [kernels.declare(ctypes.CDLL(kernels.build_shared_library(
-        kernels._SOURCE, str(out), kernels.build_flags(vnni)))) for vnni in (False, True)]
+    return [native.declare(ctypes.CDLL(native.build_shared_library(
+        native.SOURCE, str(out), native.build_flags(vnni)))) for vnni in (False, True)]
 
 
 @needs_vnni

@@ -23,7 +23,7 @@ class TokenmillEngine:
         blocks_per_seq = -(-max_len // BLOCK_SIZE)
         self.llm = LLM(model=spec["model_path"],
                        quantization="gguf" if precision.startswith("gguf") else None,
-                       quant_activations="q8" if precision == "gguf-q8" else None,
+                       quant_activations="q8" if precision == "gguf-q8" else "fp32",
                        num_threads=spec["num_threads"], skip_tokenizer_init=True,
                        max_model_len=max_len, max_num_seqs=spec["max_num_seqs"],
                        max_num_batched_tokens=max(2048, spec["prefill_len"] + 1),

@@ -21,6 +21,7 @@ class AttentionBackend(ABC):
     """
 
     name: str
+    cpu_kernels: bool = False   # uses the fused C kernels (the CPU backend, when asked to)
 
     @abstractmethod
     def forward(
@@ -68,8 +69,9 @@ def check_gqa(num_heads: int, num_kv_heads: int) -> int:
 BACKEND_NAMES = ("reference", "cpu", "auto")
 
 
-def get_attention_backend(name: str = "auto") -> AttentionBackend:
-    """Return a backend by name: "reference", "cpu" or "auto".
+def get_attention_backend(name: str = "auto", cpu_kernels: bool = True) -> AttentionBackend:
+    """Return a backend by name: "reference", "cpu" or "auto" (``cpu_kernels``: whether the
+    CPU backend may use the fused C kernel).
 
     "auto" picks the CPU fast path; it is plain PyTorch, so it is also correct on CUDA
     until a CUDA-specific backend exists. Imports are lazy so that backends may import this
@@ -77,7 +79,7 @@ def get_attention_backend(name: str = "auto") -> AttentionBackend:
     """
     if name in ("cpu", "auto"):
         from tokenmill.layers.attention.cpu import CpuAttention
-        return CpuAttention()
+        return CpuAttention(cpu_kernels)
     if name == "reference":
         from tokenmill.layers.attention.reference import ReferenceAttention
         return ReferenceAttention()

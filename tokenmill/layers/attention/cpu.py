@@ -27,7 +27,13 @@ MAX_BATCHED_QUERY_LEN = 8
 
 
 class CpuAttention(AttentionBackend):
+    """``cpu_kernels``: short runs on float32 CPU caches go through the fused C kernel
+    (cpu_attention.c) where the library runs; False keeps every step in PyTorch."""
+
     name = "cpu"
+
+    def __init__(self, cpu_kernels: bool = True) -> None:
+        self.cpu_kernels = cpu_kernels
 
     def forward(
         self,
@@ -44,7 +50,8 @@ class CpuAttention(AttentionBackend):
         check_gqa(query.shape[1], k_cache.shape[2])
         out = torch.empty_like(query)
         short = [b for b, q in enumerate(meta.query_lens) if q <= MAX_BATCHED_QUERY_LEN]
-        if short:
+        if short and not (self.cpu_kernels and _fused_short(query, k_cache, v_cache, meta, short,
+                                                            scale, sliding_window, out)):
             _batched_short(query, k_cache, v_cache, meta, short, scale, sliding_window, out)
         starts = _starts(meta.query_lens)
         for b, q_len in enumerate(meta.query_lens):
@@ -76,8 +83,6 @@ def _batched_short(
     sliding_window: Optional[int],
     out: torch.Tensor,      # [T, num_heads, head_dim], rows of `reqs` are written
 ) -> None:
-    if _fused_short(query, k_cache, v_cache, meta, reqs, scale, sliding_window, out):
-        return
     key = ("short", tuple(reqs), sliding_window)
     plan = meta.plan_cache.get(key)
     if plan is None:
@@ -105,7 +110,7 @@ def _fused_short(query, k_cache, v_cache, meta: AttentionMetadata, reqs: list[in
                  sliding_window: Optional[int], out: torch.Tensor) -> bool:
     """The short runs through the fused C kernel (float32 CPU caches): no gather, no padding,
     one call per layer. False when it does not apply; the PyTorch path below then runs."""
-    if not cpu_ops.active():
+    if not cpu_ops.available():
         return False
     key = ("fused_short", tuple(reqs))
     plan = meta.plan_cache.get(key)

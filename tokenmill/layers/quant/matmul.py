@@ -9,7 +9,6 @@ freshly dequantized weight is faster; ``kernel_max_rows`` is that crossover, mea
 """
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from typing import Optional
 
@@ -30,17 +29,9 @@ DEFAULT_KERNEL_MAX_ROWS = 16
 # 32 activations to int8 for integer dot products (the scheme llama.cpp uses): 1.8x (int8)
 # to 2.6x (int4) the kernel's compute rate, at a measured accuracy cost on SmolLM2-135M
 # (decode-path perplexity +0.17% for int8, +2.0% for int4-g32), so it is opt-in.
+# The mode is each linear strategy's own (PackedLinearMethod.activations, from
+# ModelConfig.quant_activations), so two models in one process may differ.
 ACTIVATION_MODES = ("fp32", "q8")
-_activation_mode = os.environ.get("TOKENMILL_QMM_ACTIVATIONS", "fp32")
-if _activation_mode not in ACTIVATION_MODES:
-    raise ValueError(f"TOKENMILL_QMM_ACTIVATIONS must be one of {ACTIVATION_MODES}, got {_activation_mode!r}")
-
-
-def set_activation_mode(mode: str) -> None:
-    global _activation_mode
-    if mode not in ACTIVATION_MODES:
-        raise ValueError(f"activation mode must be one of {ACTIVATION_MODES}, got {mode!r}")
-    _activation_mode = mode
 
 
 def quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
@@ -64,10 +55,6 @@ def kernel_applies(p: Packed) -> bool:
     return (kernels.available() and g % _MIN_GROUP[p.kind] == 0 and p.in_features % g == 0
             and p.qweight.device.type == "cpu" and p.qweight.is_contiguous()
             and p.scales.is_contiguous() and (p.mins is None or p.mins.is_contiguous()))
-
-
-def activation_mode() -> str:
-    return _activation_mode
 
 
 def reference_linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor] = None,
@@ -103,9 +90,9 @@ def _dequant_gemm(x2: torch.Tensor, p: Packed) -> torch.Tensor:
 def packed_linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor] = None,
                   use_kernel: bool = True,
                   kernel_max_rows: int = DEFAULT_KERNEL_MAX_ROWS,
-                  activations: Optional[str] = None) -> torch.Tensor:
+                  activations: str = "fp32") -> torch.Tensor:
     """x [..., K] -> [..., N] float32. int8 / int4 weights with q8 activations
-    (``activations``, default: the process mode) and a tiled copy: the tiled q8 GEMM at any
+    (``activations``: "fp32" or "q8") and a tiled copy: the tiled q8 GEMM at any
     row count. Else few rows: the streaming kernel (q8 or float activations); many rows:
     dequantize + fp32 GEMM."""
     lead = x.shape[:-1]
@@ -114,7 +101,7 @@ def packed_linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor] = Non
         x2 = x2.index_select(1, p.perm)
     if p.kernel_ok is None:
         p.kernel_ok = kernel_applies(p)
-    q8 = (activations or _activation_mode) == "q8" and p.kind in ("i8", "i4")
+    q8 = activations == "q8" and p.kind in ("i8", "i4")
     if use_kernel and q8 and p.tiled is not None:   # any row count (qgemm.py)
         y = qgemm.qgemm_q8(x2.contiguous(), p.tiled)
     elif use_kernel and x2.shape[0] <= kernel_max_rows and p.kernel_ok:

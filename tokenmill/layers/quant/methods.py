@@ -71,30 +71,31 @@ class LinearMethod:
 
 class UnquantizedLinearMethod(LinearMethod):
     name = "none"
+    cpu_kernels = True   # small-M C kernel, prepacked / sliced GEMMs (cpu_ops.set_cpu_kernels)
 
     def create_weights(self, layer: nn.Module) -> None:
         new_param(layer, "weight", torch.empty(layer.out_features, layer.in_features,
                                                dtype=layer.params_dtype))
 
     def apply(self, layer, x, bias):
-        if x.dim() == 2 and x.shape[0] <= cpu_ops.LINEAR_MAX_ROWS:   # decode: stream W once
+        if not self.cpu_kernels or x.dim() != 2:
+            return F.linear(x, layer.weight, bias)
+        if x.shape[0] <= cpu_ops.LINEAR_MAX_ROWS:   # decode: stream W once
             y = cpu_ops.linear(x, layer.weight, bias)
             if y is not None:
                 return y
-        if x.dim() == 2:
-            y = prepacked.linear(layer, x, bias)
-            if y is not None:
-                return y
-            return cpu_ops.linear_many_rows(x, layer.weight, bias)
-        return F.linear(x, layer.weight, bias)
+        y = prepacked.linear(layer, x, bias)
+        if y is not None:
+            return y
+        return cpu_ops.linear_many_rows(x, layer.weight, bias)
 
 
 class PackedLinearMethod(LinearMethod):
     """Shared execution of packed weights; ``use_kernel=False`` forces the reference path.
-    ``activations``: "fp32" / "q8" for this layer's kernel matmuls, None = the process
-    default (matmul.activation_mode())."""
+    ``activations``: "fp32" / "q8" for this layer's kernel matmuls (set for a whole model
+    by ``set_quant_activations``)."""
 
-    activations: Optional[str] = None
+    activations: str = "fp32"
 
     def __init__(self, use_kernel: bool = True, kernel_max_rows: int = DEFAULT_KERNEL_MAX_ROWS):
         self.use_kernel = use_kernel
@@ -149,3 +150,13 @@ class FP8Method(OnlineQuantMethod):
 
     def quantize(self, w):
         return formats.quantize_fp8(w)
+
+
+def set_quant_activations(model: nn.Module, mode: str) -> None:
+    """Every packed linear of ``model`` takes ``mode`` ("fp32" / "q8") activations."""
+    from tokenmill.layers.quant.matmul import ACTIVATION_MODES
+    if mode not in ACTIVATION_MODES:
+        raise ValueError(f"quant activations must be one of {ACTIVATION_MODES}, got {mode!r}")
+    for m in model.modules():
+        if isinstance(getattr(m, "quant_method", None), PackedLinearMethod):
+            m.quant_method.activations = mode

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from tokenmill.layers import native
 from tokenmill.layers.quant import kernels
 from tokenmill.layers.quant.formats import Packed, unpack_int4
 
@@ -85,8 +86,7 @@ def qgemm_q8(x: torch.Tensor, t: Tiled) -> torch.Tensor:
     y = torch.empty(m, t.out_features, dtype=torch.float32)
     if m == 0:
         return y
-    lib = kernels.load()
-    if lib.tm_qgemm_q8(x.data_ptr(), m, k, t.kind, t.qw.data_ptr(), t.sc.data_ptr(),
+    if native.library().tm_qgemm_q8(x.data_ptr(), m, k, t.kind, t.qw.data_ptr(), t.sc.data_ptr(),
                        t.mn.data_ptr() if t.mn is not None else None,
                        t.group_size, t.out_features, y.data_ptr(), torch.get_num_threads()):
         raise MemoryError("tiled q8 matmul could not allocate its activation buffer")
@@ -96,7 +96,7 @@ def qgemm_q8(x: torch.Tensor, t: Tiled) -> torch.Tensor:
 def tile_packed_linears(model: nn.Module) -> int:
     """Give every int8 / int4 part of the packed linears that take q8 activations its tiled
     copy (where the kernel library runs); returns the bytes added."""
-    from tokenmill.layers.quant.matmul import activation_mode, kernel_applies
+    from tokenmill.layers.quant.matmul import kernel_applies
     from tokenmill.layers.quant.methods import PackedLinearMethod
     if not available():
         return 0
@@ -104,7 +104,7 @@ def tile_packed_linears(model: nn.Module) -> int:
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if not (isinstance(method, PackedLinearMethod) and method.use_kernel
-                and (method.activations or activation_mode()) == "q8"):
+                and method.activations == "q8"):
             continue
         for part in module.packed:
             if part.tiled is None and applies(part) and kernel_applies(part):

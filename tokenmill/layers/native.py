@@ -1,0 +1,233 @@
+"""The one compiled kernel library (cpu_kernels.c and the files it includes), built once per
+machine and opened through ctypes.
+
+Why not a torch C++ extension: including the torch headers costs about a minute of compile
+on two cores, while these plain C files build in seconds and need no torch ABI. The library
+links the OpenMP runtime torch already loaded (same soname, so one thread pool).
+
+The engine builds it at start-up (``build``, with a timeout), not inside the first request.
+Where it cannot run (no C compiler, not x86-64 with AVX2 / FMA / F16C) or the build fails,
+``library()`` is None, the reason is logged once as a warning (with the compiler's message),
+and callers run their plain-PyTorch references. ``status()`` says which case this is.
+
+The handle is process-wide on purpose: a loaded shared object cannot be unloaded, and
+whether the kernels *run* for a model is that model's setting (``ModelConfig.cpu_kernels``),
+held by the objects that call them, not by this module.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(__file__), "cpu_kernels.c")
+DEFAULT_BUILD_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tokenmill", "kernels")
+DEFAULT_BUILD_TIMEOUT_S = 300.0   # two cores build it in ~10-20 s; a wedged compiler must not hang start-up
+
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+# Where the CPU has AVX-512 VNNI the same sources are built with it too: the int8 dot
+# products of the q8 kernels take one instruction instead of two (bit-identical results,
+# qmm.c's dot_u8s8), and the tiled q8 GEMM (qgemm.c) runs on 512-bit registers.
+_VNNI_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+_VNNI_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+_NEEDED_CPU_FLAGS = {"avx2", "fma", "f16c"}
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> frozenset:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
+    except OSError:
+        return frozenset()
+
+
+def cpu_supported() -> bool:
+    return _NEEDED_CPU_FLAGS <= cpu_flags()
+
+
+def has_vnni() -> bool:
+    """True when this CPU runs the AVX-512 VNNI build (cpu_supported() implied)."""
+    return cpu_supported() and _VNNI_CPU_FLAGS <= cpu_flags()
+
+
+def compiler() -> Optional[str]:
+    """The C compiler the kernels are built with, or None when there is none."""
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def buildable() -> bool:
+    """This machine should have the kernels: a supported CPU and a C compiler. Where this is
+    True a failed build is a bug (tests fail rather than skip)."""
+    return cpu_supported() and compiler() is not None
+
+
+def build_flags(vnni: Optional[bool] = None) -> list:
+    """Compiler flags of the kernel library: AVX2 + FMA + F16C, plus AVX-512 VNNI when
+    ``vnni`` (default: whether this CPU has it)."""
+    return _FLAGS + _VNNI_FLAGS if (has_vnni() if vnni is None else vnni) else list(_FLAGS)
+
+
+_LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def source_bytes(source: str) -> bytes:
+    """The source and, recursively, the local files it includes: an edit to any of them
+    must rebuild the library. A missing include is an error here, not a silent stale hash."""
+    with open(source, "rb") as f:
+        data = f.read()
+    for name in _LOCAL_INCLUDE.findall(data):
+        data += source_bytes(os.path.join(os.path.dirname(source), name.decode()))
+    return data
+
+
+class KernelBuildError(RuntimeError):
+    """The compiler failed or timed out; the message carries what it printed."""
+
+
+def build_shared_library(source: str, build_dir: Optional[str] = None,
+                         flags: Optional[list] = None,
+                         timeout_s: float = DEFAULT_BUILD_TIMEOUT_S) -> str:
+    """Compile a C source into build_dir (named by a hash of source + flags) unless already
+    there; returns the .so path. Raises KernelBuildError (compiler message inside) or OSError."""
+    flags = flags or build_flags()
+    build_dir = build_dir or DEFAULT_BUILD_DIR
+    digest = hashlib.sha256(source_bytes(source) + " ".join(flags).encode()).hexdigest()[:16]
+    stem = os.path.splitext(os.path.basename(source))[0]
+    path = os.path.join(build_dir, f"{stem}-{digest}.so")
+    if os.path.isfile(path):
+        return path
+    cc = compiler()
+    if cc is None:
+        raise KernelBuildError("no C compiler (cc / gcc) on PATH")
+    os.makedirs(build_dir, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=build_dir, suffix=".so")
+    os.close(fd)
+    try:   # build to a temp name and rename: concurrent builders never see half a library
+        returncode, stderr = _run_compiler([cc, *flags, source, "-o", tmp], timeout_s)
+        if returncode != 0:
+            raise KernelBuildError(f"{cc} exited with {returncode}: {stderr.strip()[-4000:]}")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _run_compiler(cmd: list, timeout_s: float) -> tuple:
+    """(exit code, stderr). The driver runs in its own process group so a timeout kills
+    the compiler proper (cc1) too, not only the driver."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise KernelBuildError(f"{cmd[0]} did not finish within {timeout_s:g} s") from None
+    return proc.returncode, stderr
+
+
+@dataclass
+class BuildStatus:
+    """What the one build of this process gave: the library or why there is none."""
+
+    lib: Optional[ctypes.CDLL] = None
+    path: Optional[str] = None
+    error: Optional[str] = None
+    seconds: float = 0.0
+    tried: bool = False
+
+
+_status = BuildStatus()
+
+
+def build_library(source: str = SOURCE, build_dir: Optional[str] = None,
+                  timeout_s: float = DEFAULT_BUILD_TIMEOUT_S) -> BuildStatus:
+    """Build (cached per machine by content hash) and open a kernel library. A failure is
+    logged as a warning with the reason and the fallback taken, never raised."""
+    status = BuildStatus(tried=True)
+    start = time.perf_counter()
+    if not cpu_supported():
+        status.error = "this CPU lacks AVX2 / FMA / F16C (or is not x86-64)"
+    else:
+        try:
+            status.path = build_shared_library(source, build_dir, timeout_s=timeout_s)
+            status.lib = declare(ctypes.CDLL(status.path))
+        except (OSError, KernelBuildError, AttributeError) as e:
+            status.error = f"{type(e).__name__}: {e}"
+    status.seconds = time.perf_counter() - start
+    if status.lib is None:
+        logger.warning("tokenmill CPU kernels unavailable (%s); running the plain PyTorch paths "
+                       "instead (slower, same results)", status.error)
+    return status
+
+
+def build(build_dir: Optional[str] = None,
+          timeout_s: float = DEFAULT_BUILD_TIMEOUT_S) -> BuildStatus:
+    """The process's one build of the kernel library (``build_library`` on first call)."""
+    global _status
+    if not _status.tried:
+        _status = build_library(SOURCE, build_dir, timeout_s)
+    return _status
+
+
+def library() -> Optional[ctypes.CDLL]:
+    """The opened library, or None where it cannot run here (built on first call)."""
+    return _status.lib if _status.tried else build().lib
+
+
+def require() -> ctypes.CDLL:
+    """The library, or KernelBuildError with the reason (for tests and `tokenmill env`)."""
+    lib = library()
+    if lib is None:
+        raise KernelBuildError(_status.error or "kernel library unavailable")
+    return lib
+
+
+def status() -> dict:
+    """For `tokenmill env`: CPU support, compiler, build result."""
+    s = build()
+    return {"cpu_supported": cpu_supported(), "vnni": has_vnni(), "compiler": compiler(),
+            "built": s.lib is not None, "path": s.path, "error": s.error,
+            "build_seconds": round(s.seconds, 3), "flags": " ".join(build_flags())}
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Set the C signatures of every entry point (cpu_ops.c, cpu_attention.c, qmm.c,
+    qgemm.c, cpu_decode.c)."""
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    signatures = {
+        "tm_rms_norm": ([p, p, p, f32, i64, i64, p, i32], None),
+        "tm_rope": ([p, p, i64, i64, i64, i64, i64, i64, p, p, p], None),
+        "tm_silu_mul": ([p, i64, i64, p, i32], None),
+        "tm_linear_small_m": ([p, i64, i64, p, i64, p, p, i32], None),
+        "tm_paged_attention": ([p, i64, i64, i64, p, p, p, p, i64, i64, p, i64, i64, p, p, p,
+                                f32, i64, p, i32], i32),
+        "tm_llama_decode": ([p, i64, i64, i64, p, p, p, p, p, p, p, i64, i64, i64, i64, f32,
+                             p, p, p, p, i64, p, i64, i64, p, p, p, f32, p, i32, i32], i32),
+        "tm_qmm": ([p, i64, i64, p, p, p, i64, i64, i32, p, i32], None),
+        "tm_qmm_q8": ([p, i64, i64, p, p, p, i64, i64, i32, p, i32], i32),
+        "tm_quantize_q8": ([p, i64, i64, p, p], None),
+        "tm_dequant": ([p, p, p, i64, i64, i64, i32, p, i32], None),
+        "tm_qgemm_q8": ([p, i64, i64, i32, p, p, p, i64, i64, p, i32], i32),
+    }
+    for name, (argtypes, restype) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
+    return lib
