@@ -11,6 +11,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import Processor, PromptType
 from tokenmill.engine.stats import EngineStats
+from tokenmill.kv.kv_cache_manager import PrefixCacheStats
 from tokenmill.layers import native
 from tokenmill.models.hub import resolve_model
 from tokenmill.models.loader import load_tokenizer, open_checkpoint
@@ -74,6 +75,27 @@ class LLMEngine:
         self.processor = Processor(self.tokenizer, self.max_model_len, a.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
+
+    def warmup(self, num_prompt_tokens: int = 32, num_output_tokens: int = 4) -> None:
+        """Run one short request through every stage (a many-row prefill, decode steps,
+        sampling) so one-time costs, such as oneDNN's first-use code generation, the fused
+        stack's plan and allocator growth, are paid at start-up and not by the first user.
+        Leaves no trace: counters, prefix cache and request maps are as before."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("warmup() runs on an idle engine only")
+        vocab = self.model.args.vocab_size
+        num_prompt_tokens = max(1, min(num_prompt_tokens, self.max_model_len - num_output_tokens))
+        prompt = [(7 * i + 3) % vocab for i in range(num_prompt_tokens)]
+        params = SamplingParams(temperature=0.0, max_tokens=num_output_tokens, ignore_eos=True)
+        self.add_request("tokenmill-warmup", {"prompt_token_ids": prompt}, params)
+        while self.has_unfinished_requests():
+            self.step()
+        self.scheduler.kv.pool.reset_prefix_cache()
+        self.scheduler.kv.prefix_stats = PrefixCacheStats()
+        self.scheduler.num_preemptions = 0
+        self.stats = EngineStats()
+        if self.runner.spec is not None:
+            self.runner.spec.reset_stats()
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: SamplingParams,

@@ -47,6 +47,7 @@ class LLM:
             num_threads=num_threads, cache_dir=cache_dir,
             speculative=_speculative(speculative_config, speculative_model, num_speculative_tokens))
         self.engine = LLMEngine(config)
+        self.engine.warmup()   # one-time costs now, not in the first request
 
     def get_tokenizer(self):
         return self.engine.tokenizer
