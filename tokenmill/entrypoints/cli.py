@@ -114,7 +114,13 @@ def _sampling_params(args):
 
 
 def cmd_generate(args) -> int:
-    llm = _make_llm(args)
+    import logging
+    from tokenmill.models.hub import resolve_model
+    from tokenmill.utils.progress import BarProgress, timed_load
+    log = logging.getLogger("tokenmill.cli")
+    # Fetched here, with a bar, so the engine then finds the model in the cache.
+    resolve_model(args.model, _default_cache_dir(), progress=BarProgress(log, sys.stderr))
+    llm = timed_load(args.model, lambda: _make_llm(args), log)
     params = _sampling_params(args)
     prompts = args.prompt or ["The capital of France is"]
     if args.chat:
@@ -137,7 +143,12 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    llm = _make_llm(args)
+    import logging
+    from tokenmill.models.hub import resolve_model
+    from tokenmill.utils.progress import BarProgress, timed_load
+    log = logging.getLogger("tokenmill.cli")
+    resolve_model(args.model, _default_cache_dir(), progress=BarProgress(log, sys.stderr))
+    llm = timed_load(args.model, lambda: _make_llm(args), log)
     params = _sampling_params(args)
     tokenizer = llm.get_tokenizer()
     history = []
@@ -170,7 +181,10 @@ def cmd_pull(args) -> int:
         for name in sorted(KNOWN_MODELS):
             print(name)
         return 0
-    print(pull(args.name, cache_dir=_default_cache_dir()))
+    import logging
+    from tokenmill.utils.progress import BarProgress
+    progress = BarProgress(logging.getLogger("tokenmill.cli"), sys.stderr)
+    print(pull(args.name, cache_dir=_default_cache_dir(), progress=progress))
     return 0
 
 
@@ -226,6 +240,11 @@ def _add_bench_parsers(sub) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    import logging
+    # tokenmill's own INFO lines (model fetch, load time, serve's URL) on stderr; other
+    # libraries stay at WARNING. A no-op where logging is already set up (e.g. under pytest).
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tokenmill").setLevel(getattr(args, "log_level", "info").upper())
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

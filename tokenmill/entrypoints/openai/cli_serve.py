@@ -93,11 +93,10 @@ def cmd_serve(args) -> int:
         print(f"tokenmill serve: error: {problem}", file=sys.stderr)
         return 2
     from tokenmill.engine.async_engine import AsyncEngine
-    from tokenmill.entrypoints.cli import _make_llm
     from tokenmill.entrypoints.openai.server import build_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = AsyncEngine(lambda: _make_llm(args).engine,
+    # Logging is set up by the CLI's main() (tokenmill's loggers at --log-level).
+    engine = AsyncEngine(lambda: _build_engine(args),
                          max_pending=args.max_num_seqs + args.max_queued_requests)
     app = build_app(engine, args.served_model_name or args.model, args.api_key,
                     args.max_request_body_bytes)
@@ -115,16 +114,29 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _build_engine(args):
+    """Runs in the engine thread, after the socket is open: fetch the model if it is a known
+    name not yet cached (with a progress report), build the engine, log the load time."""
+    from tokenmill.entrypoints.cli import _default_cache_dir, _make_llm
+    from tokenmill.models.hub import resolve_model
+    from tokenmill.utils.progress import BarProgress, timed_load
+    log = logging.getLogger("tokenmill.server")
+    resolve_model(args.model, _default_cache_dir(), progress=BarProgress(log, sys.stderr))
+    return timed_load(args.model, lambda: _make_llm(args).engine, log)
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first SIGTERM drains: new requests get 503 (the gate sees
     ``draining``), in-flight ones finish, then the server exits with status 0. A second
-    signal (or Ctrl-C) exits the usual way."""
+    signal (or Ctrl-C) exits the usual way. Once it listens and the model has loaded, it
+    logs the URL it answers at (``announced``)."""
 
     def __init__(self, config, state, drain_timeout: float) -> None:
         super().__init__(config)
         self.state = state
         self.drain_timeout = drain_timeout
         self._drain_deadline: Optional[float] = None
+        self.announced = False
 
     def handle_exit(self, sig, frame) -> None:
         if sig == signal.SIGTERM and not self.state.draining:
@@ -137,7 +149,23 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def on_tick(self, counter: int) -> bool:
+        # uvicorn ticks every 0.1 s once its sockets listen, so the first tick after the
+        # engine thread finished loading is the moment requests can be answered.
+        if not self.announced and self.started and self.state.engine.healthy:
+            self.announced = True
+            logging.getLogger("tokenmill.server").info(
+                f"serving {self.state.model_name} at {self.url} (OpenAI API under /v1)")
         if self.state.draining and (self.state.num_inflight == 0
                                     or time.monotonic() > self._drain_deadline):
             self.should_exit = True
         return await super().on_tick(counter)
+
+    @property
+    def url(self) -> str:
+        """http://host:port, with the port the socket really got (``--port 0`` picks one)."""
+        port = self.config.port
+        for server in getattr(self, "servers", ()):   # set by startup()
+            for sock in server.sockets:
+                port = sock.getsockname()[1]
+        host = self.config.host
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
