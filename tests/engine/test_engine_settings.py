@@ -23,9 +23,12 @@ def test_cpu_kernels_setting_is_per_engine(tiny_llama_dir, monkeypatch):
     for name in KERNELS:
         real = getattr(lib, name)
         monkeypatch.setattr(lib, name, lambda *a, real=real, name=name: (calls.append(name), real(*a))[1])
-    on = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, enable_prefix_caching=False)
     off = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, enable_prefix_caching=False,
               cpu_kernels=False)
+    assert calls == []                       # not even in its start-up warmup
+    on = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, enable_prefix_caching=False)
+    assert calls                             # the other engine's warmup used them
+    calls.clear()
     got_off = _greedy(off)
     assert calls == []                       # the plain engine called no fused kernel
     got_on = _greedy(on)

@@ -13,6 +13,7 @@ TTFT) / (output tokens - 1); goodput = requests per second that met every given 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -60,19 +61,24 @@ def random_prompts(num: int, input_len: int, output_len: int, seed: int) -> list
             for _ in range(num)]
 
 
-def sharegpt_prompts(path: str, num: int, output_len: int, seed: int) -> list[tuple[str, int]]:
-    """First human turn of each ShareGPT conversation; max_tokens ~ the length of the answer
-    given in the data (4 characters a token), capped at ``output_len``."""
-    with open(path) as f:
-        data = json.load(f)
+def sharegpt_prompts(path: Optional[str], num: int, output_len: int, seed: int,
+                     cache_dir: Optional[str] = None) -> list[tuple[str, int]]:
+    """First user turn of ShareGPT conversations, from the file ``path``, else from the
+    benchmark split of the ShareGPT V3 copy under ``cache_dir`` (``tokenmill.data.sharegpt``
+    fetches it on first use; a cut-off last record is dropped). max_tokens ~ the length of
+    the answer given in the data (4 characters a token), capped at ``output_len``. As in the
+    other benches, the pool is the first max(200, 20 * num) conversations, shuffled by
+    ``seed``."""
+    from tokenmill.data.sharegpt import iter_conversations, sharegpt_path
+    split = None if path else "benchmark"
+    convs = iter_conversations(path or sharegpt_path(cache_dir), split)
     pairs = []
-    for conv in data:
-        turns = conv.get("conversations") or []
-        if len(turns) >= 2 and turns[0].get("value") and turns[1].get("value"):
-            answer_tokens = max(4, min(output_len, len(turns[1]["value"]) // 4))
-            pairs.append((turns[0]["value"], answer_tokens))
+    for turns in itertools.islice(convs, max(200, 20 * num)):
+        if turns[0]["content"] and turns[1]["content"]:
+            answer_tokens = max(4, min(output_len, len(turns[1]["content"]) // 4))
+            pairs.append((turns[0]["content"], answer_tokens))
     if not pairs:
-        raise ValueError(f"{path}: no ShareGPT conversations with a prompt and an answer")
+        raise ValueError(f"{path or 'ShareGPT'}: no conversations with a prompt and an answer")
     random.Random(seed).shuffle(pairs)
     return [pairs[i % len(pairs)] for i in range(num)]
 
@@ -234,9 +240,6 @@ def summarize(results: list[RequestResult], duration: float, args) -> dict:
 
 def run(args) -> int:
     if args.dataset == "sharegpt":
-        if not args.dataset_path:
-            print("tokenmill bench serve: --dataset sharegpt needs --dataset-path", file=sys.stderr)
-            return 2
         prompts = sharegpt_prompts(args.dataset_path, args.num_prompts, args.output_len, args.seed)
     else:
         prompts = random_prompts(args.num_prompts, args.input_len, args.output_len, args.seed)
@@ -273,7 +276,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--api-key", default=None)
     p.add_argument("--dataset", choices=["random", "sharegpt"], default="random")
-    p.add_argument("--dataset-path", default=None, help="ShareGPT JSON file")
+    p.add_argument("--dataset-path", default=None,
+                   help="a ShareGPT-format JSON file (default: the cached ShareGPT V3 copy, "
+                        "fetched on first use)")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128, help="random: words per prompt")
     p.add_argument("--output-len", type=int, default=64, help="max_tokens (ShareGPT: cap)")

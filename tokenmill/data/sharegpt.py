@@ -8,6 +8,7 @@ their id, so calibration text (quantization) never overlaps evaluation text.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from typing import Iterator, Optional
@@ -61,20 +62,23 @@ def split_of(conversation_id: str) -> str:
     return "calibration" if bucket == 0 else "evaluation" if bucket == 1 else "benchmark"
 
 
-def conversations(split: str, cache_dir: Optional[str] = None,
-                  limit: Optional[int] = None) -> list[list[dict]]:
-    """Conversations of one split, each a list of {"role": "user"|"assistant", "content"}."""
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
-    out = []
-    for record in iter_records(sharegpt_path(cache_dir)):
-        if split_of(str(record.get("id", ""))) != split:
+def iter_conversations(path: str, split: Optional[str] = None) -> Iterator[list[dict]]:
+    """Conversations of a ShareGPT-format file (a truncated tail is dropped), each a list of
+    {"role": "user"|"assistant", "content"} that opens with a user turn and has an answer;
+    only those of ``split`` when given."""
+    for record in iter_records(path):
+        if split is not None and split_of(str(record.get("id", ""))) != split:
             continue
         turns = [{"role": "user" if t.get("from") == "human" else "assistant",
                   "content": t.get("value", "")}
                  for t in record.get("conversations", []) if t.get("from") in ("human", "gpt")]
         if len(turns) >= 2 and turns[0]["role"] == "user":
-            out.append(turns)
-            if limit is not None and len(out) >= limit:
-                break
-    return out
+            yield turns
+
+
+def conversations(split: str, cache_dir: Optional[str] = None,
+                  limit: Optional[int] = None) -> list[list[dict]]:
+    """Conversations of one split of the cached copy (fetched on first use)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of {SPLITS}")
+    return list(itertools.islice(iter_conversations(sharegpt_path(cache_dir), split), limit))

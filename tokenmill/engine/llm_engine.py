@@ -10,7 +10,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import Processor, PromptType
-from tokenmill.engine.stats import EngineStats
+from tokenmill.engine.stats import EngineStats, free_memory_bytes, module_bytes
 from tokenmill.kv.kv_cache_manager import PrefixCacheStats
 from tokenmill.layers import native
 from tokenmill.models.hub import resolve_model
@@ -169,6 +169,8 @@ class LLMEngine:
 
     # -- introspection ----------------------------------------------------------------------
     def get_stats(self) -> dict:
+        """Counters since start-up (warmup excluded); terms in ``EngineStats.snapshot``:
+        throughput is generated tokens per second of busy time inside ``step()``."""
         prefix = self.scheduler.kv.prefix_stats
         stats = self.stats.snapshot(self.scheduler.num_preemptions, prefix.hit_rate)
         stats["prefix_cache_queries"] = prefix.num_queries
@@ -178,15 +180,22 @@ class LLMEngine:
         return stats
 
     def get_memory_stats(self) -> dict:
+        """Bytes unless named otherwise. ``model_weights``: the loaded model's parameters and
+        buffers (RoPE tables); ``prepacked_weights``: the oneDNN / tiled copies made at load
+        on top of them. ``kv_cache_usage``:
+        fraction of KV blocks in use, 0..1. ``free_memory``: free memory on the device the
+        model runs on (system MemAvailable on CPU, free device memory on CUDA)."""
         kv = self.scheduler.kv
         return {
-            "model_weights": self.weight_bytes,
-            "prepacked_weights": self.model.prepacked_bytes,   # oneDNN copies (CPU fp32)
+            "model_weights": module_bytes(self.model),
+            "prepacked_weights": self.model.prepacked_bytes,   # oneDNN / tiled q8 copies (CPU)
+            "free_memory": free_memory_bytes(self.device),
             "kv_cache": kv_cache_nbytes(self.runner.kv_caches),
             "kv_cache_dtype": self.config.cache.kv_cache_dtype,
             "kv_cache_storage_dtype": str(self.kv_dtype).removeprefix("torch."),
             "kv_bytes_per_token": self.kv_bytes_per_token,   # all layers, K + V, scales included
             "kv_capacity_tokens": kv.num_total_blocks * kv.block_size,
+            "kv_cache_usage": kv.usage,
             "kv_cache_usage_perc": 100.0 * kv.usage,
             "num_free_blocks": kv.num_free_blocks,
             "num_total_blocks": kv.num_total_blocks,

@@ -1,12 +1,16 @@
-"""Engine statistics: request counts, token counts, latency, throughput, preemptions.
+"""Engine statistics: request counts, token counts, latency, throughput, preemptions, and the
+memory figures behind ``get_memory_stats()``.
 
 Averages come from running sums (exact over the engine's life); the per-request samples are
 kept in bounded windows, so a long-running server's memory stays flat."""
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
+
+import torch
 
 from tokenmill.request import Request
 
@@ -67,6 +71,12 @@ class EngineStats:
                 self.tpots.add((end - req.first_token_time) / (req.num_output_tokens - 1))
 
     def snapshot(self, num_preemptions: int, prefix_hit_rate: float) -> dict:
+        """Terms: ``num_requests`` counts finished (or aborted) sequences, one per sample of a
+        request with ``n > 1``; ``num_generated_tokens`` counts every token sampled so far,
+        unfinished requests included; ``avg_latency_ms`` is the mean end-to-end latency
+        (arrival to finish) of the finished ones; ``throughput_tokens_per_sec`` is generated
+        tokens per second of engine busy time (time spent inside ``step()``, so idle gaps
+        between calls do not dilute it). Averages are exact over the engine's life."""
         return {
             "num_requests": self.num_requests,
             "num_prompt_tokens": self.num_prompt_tokens,
@@ -81,3 +91,27 @@ class EngineStats:
             "num_preemptions": num_preemptions,
             "prefix_cache_hit_rate": prefix_hit_rate,
         }
+
+
+def module_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers, each shared tensor (a tied head) once."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory where the model runs: CUDA's free device memory, else the system's
+    available memory (``MemAvailable``: free plus reclaimable page cache); 0 when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024   # the file says kB
+    except OSError:   # not Linux
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):   # a platform without these names (macOS)
+        return 0

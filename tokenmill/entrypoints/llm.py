@@ -91,6 +91,11 @@ class LLM:
             if self.engine.output_processor.has(request_id):
                 self.engine.abort_request(request_id)
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine behind this LLM (vLLM's name for it); the same object as ``engine``."""
+        return self.engine
+
     def get_stats(self) -> dict:
         return self.engine.get_stats()
 
