@@ -66,7 +66,8 @@ def test_q8_activation_kernel_stays_close_to_float_activations(tiny_llama_dir, s
     """Int8-quantized activations vs float activations at the first output position (same
     context): the same greedy token and close logprobs. The tiny random model (weights
     ~N(0, 0.3)) amplifies activation rounding far more than a trained one; SmolLM2's
-    perplexity through this path is measured by `tokenmill eval ppl --chunk-size 8`."""
+    perplexity through this path is measured by `tokenmill eval ppl --chunk-size 8
+    --quant-activations q8`."""
     from tokenmill.layers.quant.methods import set_quant_activations
     llm = _llm(tiny_llama_dir, scheme)
     exact = _run(llm)

@@ -58,6 +58,8 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--chunk-size", type=int, default=None,
                    help="prefill tokens per step (default: a whole window); a small chunk "
                         "(64-128) makes later chunks read the KV cache back")
+    p.add_argument("--quant-activations", default="fp32", choices=["fp32", "q8"],
+                   help="activations of int8 / int4 weight matmuls (q8: llama.cpp's integer dots)")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", action="store_true", help="only the JSON line")
     p.set_defaults(func=cmd_eval_ppl)
@@ -67,7 +69,8 @@ def cmd_eval_ppl(args) -> int:
     from tokenmill.quantization.ppl import evaluate
     result = evaluate(args.model, args.quantization, args.max_tokens, args.context_len,
                       kl_base=args.kl_base, num_threads=args.num_threads, cache_dir=_cache_dir(),
-                      kv_cache_dtype=args.kv_cache_dtype, chunk_size=args.chunk_size)
+                      kv_cache_dtype=args.kv_cache_dtype, chunk_size=args.chunk_size,
+                      quant_activations=args.quant_activations)
     if not args.json:
         for key, value in result.items():
             print(f"{key:>16}: {value}")

@@ -116,6 +116,8 @@ def build_shared_library(source: str, build_dir: Optional[str] = None,
     if cc is None:
         raise KernelBuildError("no C compiler (cc / gcc) on PATH")
     os.makedirs(build_dir, exist_ok=True)
+    logger.info("compiling %s for this CPU (once per machine and source version) ...",
+                os.path.basename(source))
     fd, tmp = tempfile.mkstemp(dir=build_dir, suffix=".so")
     os.close(fd)
     try:   # build to a temp name and rename: concurrent builders never see half a library
