@@ -113,14 +113,19 @@ def _sampling_params(args):
                           stop=args.stop)
 
 
-def cmd_generate(args) -> int:
+def load_llm(args, logger_name: str = "tokenmill.cli"):
+    """The engine flags' LLM, saying what happens: the model fetched first if it is a known
+    name not yet cached (with a progress report on stderr), then the load time."""
     import logging
     from tokenmill.models.hub import resolve_model
     from tokenmill.utils.progress import BarProgress, timed_load
-    log = logging.getLogger("tokenmill.cli")
-    # Fetched here, with a bar, so the engine then finds the model in the cache.
+    log = logging.getLogger(logger_name)
     resolve_model(args.model, _default_cache_dir(), progress=BarProgress(log, sys.stderr))
-    llm = timed_load(args.model, lambda: _make_llm(args), log)
+    return timed_load(args.model, lambda: _make_llm(args), log)
+
+
+def cmd_generate(args) -> int:
+    llm = load_llm(args)
     params = _sampling_params(args)
     prompts = args.prompt or ["The capital of France is"]
     if args.chat:
@@ -143,12 +148,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    import logging
-    from tokenmill.models.hub import resolve_model
-    from tokenmill.utils.progress import BarProgress, timed_load
-    log = logging.getLogger("tokenmill.cli")
-    resolve_model(args.model, _default_cache_dir(), progress=BarProgress(log, sys.stderr))
-    llm = timed_load(args.model, lambda: _make_llm(args), log)
+    llm = load_llm(args)
     params = _sampling_params(args)
     tokenizer = llm.get_tokenizer()
     history = []

@@ -115,14 +115,9 @@ def cmd_serve(args) -> int:
 
 
 def _build_engine(args):
-    """Runs in the engine thread, after the socket is open: fetch the model if it is a known
-    name not yet cached (with a progress report), build the engine, log the load time."""
-    from tokenmill.entrypoints.cli import _default_cache_dir, _make_llm
-    from tokenmill.models.hub import resolve_model
-    from tokenmill.utils.progress import BarProgress, timed_load
-    log = logging.getLogger("tokenmill.server")
-    resolve_model(args.model, _default_cache_dir(), progress=BarProgress(log, sys.stderr))
-    return timed_load(args.model, lambda: _make_llm(args).engine, log)
+    """Runs in the engine thread, after the socket is open (fetch, load, both reported)."""
+    from tokenmill.entrypoints.cli import load_llm
+    return load_llm(args, "tokenmill.server").engine
 
 
 class DrainingServer(uvicorn.Server):
