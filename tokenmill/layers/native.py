@@ -147,7 +147,7 @@ def _run_compiler(cmd: list, timeout_s: float) -> tuple:
 
 @dataclass
 class BuildStatus:
-    """What the one build of this process gave: the library or why there is none."""
+    """What one build gave: the opened library, or why there is none."""
 
     lib: Optional[ctypes.CDLL] = None
     path: Optional[str] = None
