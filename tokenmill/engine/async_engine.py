@@ -223,6 +223,11 @@ class AsyncEngine:
             self._publish_stats()
 
     def _call(self, fn, fut) -> None:
+        # A caller that gave up (a closed dashboard stream cancels its asyncio wrapper, which
+        # cancels this future) gets nothing; setting a result on a cancelled future would
+        # raise here and kill the engine thread.
+        if not fut.set_running_or_notify_cancel():
+            return
         try:
             fut.set_result(fn(self.engine))
         except Exception as e:

@@ -45,6 +45,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g.add_argument("--disable-web-ui", action="store_true",
+                   help="don't serve the playground (/) and the dashboard (/dashboard)")
     _add_not_yet_args(p)
     p.set_defaults(func=cmd_serve)
     return p
@@ -99,7 +101,7 @@ def cmd_serve(args) -> int:
     engine = AsyncEngine(lambda: _build_engine(args),
                          max_pending=args.max_num_seqs + args.max_queued_requests)
     app = build_app(engine, args.served_model_name or args.model, args.api_key,
-                    args.max_request_body_bytes)
+                    args.max_request_body_bytes, web_ui=not args.disable_web_ui)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log, timeout_graceful_shutdown=5)
     server = DrainingServer(config, app.state.server, args.drain_timeout)
@@ -150,6 +152,9 @@ class DrainingServer(uvicorn.Server):
             self.announced = True
             logging.getLogger("tokenmill.server").info(
                 f"serving {self.state.model_name} at {self.url} (OpenAI API under /v1)")
+            if self.state.web_ui:
+                logging.getLogger("tokenmill.server").info(
+                    f"web playground at {self.url}/ and engine dashboard at {self.url}/dashboard")
         if self.state.draining and (self.state.num_inflight == 0
                                     or time.monotonic() > self._drain_deadline):
             self.should_exit = True

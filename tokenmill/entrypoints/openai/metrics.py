@@ -9,6 +9,7 @@ prometheus_client is thread-safe.
 from __future__ import annotations
 
 import threading
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -18,6 +19,7 @@ from tokenmill.entrypoints.openai.spec_metrics import SpecDecodeMetrics
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 _P = "tokenmill:"
+RECENT_SAMPLES = 2000   # latencies kept for the dashboard's percentiles
 
 
 class ServerMetrics:
@@ -46,6 +48,11 @@ class ServerMetrics:
         self.request_errors = Counter(_P + "request_errors", "Requests answered with an HTTP error", labels + ["status"], registry=r)
         self._last = EngineSnapshot()
         self._lock = threading.Lock()
+        # For the dashboard: recent latencies (bounded) and finish counts, as clients saw them.
+        self.recent_ttft: deque = deque(maxlen=RECENT_SAMPLES)
+        self.recent_itl: deque = deque(maxlen=RECENT_SAMPLES)
+        self.num_finished = 0
+        self.num_aborted = 0
 
     def on_engine_snapshot(self, snap: EngineSnapshot) -> None:
         """Called in the engine thread; counters advance by the delta since the last call."""
@@ -73,13 +80,30 @@ class ServerMetrics:
         if handle.first_token_time is not None:
             self.ttft.labels(m).observe(handle.first_token_time - handle.arrival_time)
             self.e2e.labels(m).observe(handle.last_token_time - handle.arrival_time)
+            self.recent_ttft.append(handle.first_token_time - handle.arrival_time)
         for gap in handle.inter_token_latencies:
             self.itl.labels(m).observe(gap)
+        self.recent_itl.extend(handle.inter_token_latencies)
         for reason in finish_reasons:
             self.request_success.labels(m, reason or "abort").inc()
+            self.num_finished += 1
+            self.num_aborted += (reason or "abort") == "abort"
+
+    def latency_percentiles(self) -> dict:
+        """p50 / p90 / p99 in ms of the recent TTFTs and inter-token gaps (None when none)."""
+        return {"ttft_ms": _percentiles_ms(self.recent_ttft), "itl_ms": _percentiles_ms(self.recent_itl)}
 
     def on_error(self, status: int) -> None:
         self.request_errors.labels(self.model_name, str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _percentiles_ms(values) -> "dict | None":
+    if not values:
+        return None
+    ordered = sorted(values)
+    def at(q: float) -> float:
+        return round(1000.0 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
+    return {"p50": at(0.50), "p90": at(0.90), "p99": at(0.99)}

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 import tokenmill
 from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.entrypoints import web
 from tokenmill.entrypoints.openai.errors import bad_request, error_body, install_handlers
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
@@ -19,8 +20,18 @@ from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, Comple
 from tokenmill.entrypoints.openai.serving_chat import ChatServing, render_chat
 from tokenmill.entrypoints.openai.serving_completion import CompletionServing
 
-# Routes that answer without the API key (a load balancer's probe has no key).
+# Routes that answer without the API key (a load balancer's probe has no key). The web
+# pages and their static files are open too when the web UI is on: they hold no data, and
+# ask the user for the key, which they then send as a bearer header on every API call.
 AUTH_ALLOW_LIST = frozenset({"/health"})
+WEB_ALLOW_LIST = frozenset(web.PAGES) | {"/web/config"}
+WEB_STATIC_PREFIX = "/static/"
+
+
+def open_without_key(path: str, web_ui: bool) -> bool:
+    """Whether ``path`` answers without the API key."""
+    return path in AUTH_ALLOW_LIST or (web_ui and (path in WEB_ALLOW_LIST
+                                                   or path.startswith(WEB_STATIC_PREFIX)))
 # Routes that still answer while draining, so operators can watch the drain.
 DRAIN_ALLOW_LIST = frozenset({"/health", "/metrics"})
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
@@ -33,6 +44,7 @@ class ServerState:
     metrics: ServerMetrics
     api_key: Optional[str] = None
     max_body_bytes: int = 8 * 1024 * 1024
+    web_ui: bool = True             # the playground and dashboard pages
     draining: bool = False
     num_inflight: int = 0           # HTTP requests being served, outside the allow lists
 
@@ -48,7 +60,8 @@ class GateMiddleware:
             return await self.app(scope, receive, send)
         path, state = scope["path"], self.state
         headers = dict(scope.get("headers") or [])
-        if state.api_key and path not in AUTH_ALLOW_LIST and not self._authorized(headers):
+        if (state.api_key and not open_without_key(path, state.web_ui)
+                and not self._authorized(headers)):
             return await self._reply(send, 401, "a valid API key is required "
                                                 "(Authorization: Bearer <key>)")
         if state.draining and path not in DRAIN_ALLOW_LIST:
@@ -127,15 +140,20 @@ def _replay(body: bytes, receive):
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: Optional[str] = None,
-              max_body_bytes: int = 8 * 1024 * 1024) -> FastAPI:
+              max_body_bytes: int = 8 * 1024 * 1024, web_ui: bool = True) -> FastAPI:
+    """``web_ui``: serve the playground (/) and the dashboard (/dashboard); the engine stream
+    and per-request stats under /v1/engine answer either way (behind the key)."""
     metrics = ServerMetrics(model_name)
     engine.stats_listeners.append(metrics.on_engine_snapshot)
-    state = ServerState(engine, model_name, metrics, api_key, max_body_bytes)
+    state = ServerState(engine, model_name, metrics, api_key, max_body_bytes, web_ui)
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, docs_url=None,
                   redoc_url=None)
     app.state.server = state
     install_handlers(app)
     _add_routes(app, state)
+    _add_engine_routes(app, state)
+    if web_ui:
+        _add_web_routes(app, state)
     app.add_middleware(GateMiddleware, state=state)
     return app
 
@@ -194,6 +212,47 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request(f"token ids must be below the vocabulary size "
                               f"{tokenizer.vocab_size}", "tokens")
         return {"prompt": tokenizer.decode(body.tokens)}
+
+
+def _add_engine_routes(app: FastAPI, state: ServerState) -> None:
+    """The engine's live state (the dashboard's source) and one request's speculative
+    figures (the playground's), both behind the key like every API route."""
+
+    @app.get("/v1/engine/stream")
+    async def engine_stream():
+        return StreamingResponse(web.DashboardFeed(state).events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.get("/v1/engine/requests/{request_id}")
+    async def request_stats(request_id: str):
+        if not state.engine.healthy:
+            return JSONResponse(error_body(503, "the model is not loaded"), status_code=503)
+        def read(eng):
+            return eng.runner.spec is not None, web.request_spec_stats(eng, request_id)
+        speculating, spec = await asyncio.wrap_future(state.engine.call(read))
+        if speculating and spec is None:
+            return JSONResponse(error_body(404, f"no recent request {request_id!r}"), status_code=404)
+        return {"request_id": request_id, "spec_decode": spec}
+
+
+def _add_web_routes(app: FastAPI, state: ServerState) -> None:
+    def page(name: str) -> Response:
+        found = web.static_file(name)
+        if found is None:
+            return JSONResponse(error_body(404, "not found"), status_code=404)
+        return Response(found[0], media_type=found[1], headers=web.SECURITY_HEADERS)
+
+    for path, name in web.PAGES.items():
+        app.add_api_route(path, lambda name=name: page(name), methods=["GET"],
+                          include_in_schema=False)
+
+    @app.get(WEB_STATIC_PREFIX + "{name}", include_in_schema=False)
+    async def static(name: str):
+        return page(name)
+
+    @app.get("/web/config", include_in_schema=False)
+    async def web_config():
+        return {"auth_required": bool(state.api_key), "version": tokenmill.__version__}
 
 
 def _ready_tokenizer(serving: CompletionServing, model: Optional[str]):
