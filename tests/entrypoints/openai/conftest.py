@@ -106,12 +106,16 @@ def tiny_chat_model_dir(tmp_path_factory, smollm2_path):
     return save_tiny_chat_llama(path, tok, max_position_embeddings=64)
 
 
-def start_tiny_engine(model_dir: str, **engine_kwargs) -> AsyncEngine:
-    from tokenmill.entrypoints.llm import LLM
-
-    engine = AsyncEngine(lambda: LLM(model=model_dir, num_kv_blocks=64, block_size=16,
-                                     max_num_seqs=8, num_threads=1).engine, **engine_kwargs)
+def start_engine(make_llm, timeout: float = 120.0, **engine_kwargs) -> AsyncEngine:
+    """An AsyncEngine around ``make_llm().engine``, started and loaded (or the test fails)."""
+    engine = AsyncEngine(lambda: make_llm().engine, **engine_kwargs)
     engine.start()
-    engine.ready.wait(60)
+    engine.ready.wait(timeout)
     assert engine.load_error is None, engine.load_error
     return engine
+
+
+def start_tiny_engine(model_dir: str, **engine_kwargs) -> AsyncEngine:
+    from tokenmill.entrypoints.llm import LLM
+    return start_engine(lambda: LLM(model=model_dir, num_kv_blocks=64, block_size=16,
+                                    max_num_seqs=8, num_threads=1), **engine_kwargs)

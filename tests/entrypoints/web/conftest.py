@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from tests.entrypoints.openai.conftest import smollm2_path  # noqa: F401  (a fixture)
+from tests.entrypoints.openai.conftest import smollm2_path, start_engine  # noqa: F401  (a fixture)
 
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run",
@@ -49,28 +49,14 @@ def long_tiny_model_dir(tmp_path_factory, smollm2_path):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def web_engine(long_tiny_model_dir):
-    from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.entrypoints.llm import LLM
 
     # One torch thread: Chromium, uvicorn and the engine share two cores.
-    engine = AsyncEngine(lambda: LLM(model=long_tiny_model_dir, max_model_len=2048,
-                                     num_kv_blocks=160, block_size=16, max_num_seqs=8,
-                                     num_threads=1).engine)
-    engine.start()
-    engine.ready.wait(60)
-    assert engine.load_error is None, engine.load_error
+    engine = start_engine(lambda: LLM(model=long_tiny_model_dir, max_model_len=2048,
+                                      num_kv_blocks=160, block_size=16, max_num_seqs=8,
+                                      num_threads=1))
     yield engine
     engine.stop()
-
-
-def _start(make_llm):
-    from tokenmill.engine.async_engine import AsyncEngine
-
-    engine = AsyncEngine(lambda: make_llm().engine)
-    engine.start()
-    engine.ready.wait(120)
-    assert engine.load_error is None, engine.load_error
-    return engine
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +65,7 @@ def spec_engine(long_tiny_model_dir):
     get accepted)."""
     from tokenmill.entrypoints.llm import LLM
 
-    engine = _start(lambda: LLM(model=long_tiny_model_dir, max_model_len=2048, num_kv_blocks=160,
+    engine = start_engine(lambda: LLM(model=long_tiny_model_dir, max_model_len=2048, num_kv_blocks=160,
                                 block_size=16, max_num_seqs=8, num_threads=1,
                                 speculative_config={"method": "ngram", "num_speculative_tokens": 4}))
     yield engine
@@ -91,7 +77,7 @@ def readable_engine(smollm2_path):  # noqa: F811
     """SmolLM2-135M with n-gram speculation, for README screenshots with readable text."""
     from tokenmill.entrypoints.llm import LLM
 
-    engine = _start(lambda: LLM(model=smollm2_path, max_model_len=2048, num_kv_blocks=256,
+    engine = start_engine(lambda: LLM(model=smollm2_path, max_model_len=2048, num_kv_blocks=256,
                                 max_num_seqs=8, num_threads=2,
                                 speculative_config={"method": "ngram", "num_speculative_tokens": 4}))
     yield engine

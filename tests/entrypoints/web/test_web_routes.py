@@ -9,8 +9,7 @@ import pytest
 import requests
 
 from tests.entrypoints.openai.conftest import (LiveServer, smollm2_path,  # noqa: F401 (fixtures)
-                                               start_tiny_engine, tiny_chat_model_dir)
-from tokenmill.engine.async_engine import AsyncEngine
+                                               start_engine, start_tiny_engine, tiny_chat_model_dir)
 from tokenmill.entrypoints.openai.server import build_app
 from tokenmill.entrypoints.web import SECURITY_HEADERS
 
@@ -140,11 +139,9 @@ def test_stream_events_arrive_at_least_once_a_second(open_server):
 
 def test_request_spec_figures(tiny_chat_model_dir):  # noqa: F811
     from tokenmill.entrypoints.llm import LLM
-    engine = AsyncEngine(lambda: LLM(model=tiny_chat_model_dir, num_kv_blocks=64, num_threads=1,
-                                     speculative_config={"method": "ngram",
-                                                         "num_speculative_tokens": 3}).engine)
-    engine.start()
-    engine.ready.wait(60)
+    engine = start_engine(lambda: LLM(model=tiny_chat_model_dir, num_kv_blocks=64, num_threads=1,
+                                      speculative_config={"method": "ngram",
+                                                          "num_speculative_tokens": 3}))
     try:
         with LiveServer(build_app(engine, "tiny")) as live:
             r = requests.post(live.url + "/v1/completions", timeout=60,
