@@ -155,6 +155,56 @@ class SpeculativeConfig:
         return cls(**d)
 
 
+_EXECUTOR_BACKENDS = ("mp", "ray")
+_ROUTERS = ("prefix", "round_robin")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one model is split and replicated.
+
+    ``tensor_parallel_size``: ranks one model's layers are split over (heads, FFN columns,
+    vocabulary), each a worker process with ``cores / tp`` threads; 1 = today's in-process
+    path. ``data_parallel_size``: whole-engine replicas, each request routed to one of them
+    (``router``: "prefix" sends requests sharing their first KV blocks to the same replica,
+    "round_robin" ignores content). ``distributed_executor_backend``: "mp" (local spawned
+    processes) or "ray" (actors on a Ray cluster: ``ray_address`` None starts a local one,
+    "auto" joins the running cluster). ``master_addr`` / ``master_port``: the rendezvous of
+    a tensor-parallel group (port 0 = pick a free one)."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    router: str = "prefix"
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    ray_address: Optional[str] = None
+    # Seconds a collective may wait for a peer before the step fails (a dead worker).
+    collective_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 64:
+                raise ValueError(f"{name} must be an integer in [1, 64], got {value!r}")
+        if self.distributed_executor_backend not in _EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {_EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.router not in _ROUTERS:
+            raise ValueError(f"router must be one of {_ROUTERS}, got {self.router!r}")
+        if not isinstance(self.master_port, int) or not 0 <= self.master_port <= 65535:
+            raise ValueError(f"master_port must be in [0, 65535], got {self.master_port!r}")
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            raise ValueError("master_addr must be a host name or address")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be positive, got {self.collective_timeout_s!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Processes one replica runs on."""
+        return self.tensor_parallel_size
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -163,3 +213,4 @@ class EngineConfig:
     num_threads: Optional[int] = None      # torch intra-op threads; None = number of cores
     cache_dir: Optional[str] = None        # where named models are fetched to
     speculative: Optional[SpeculativeConfig] = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

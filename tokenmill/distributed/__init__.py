@@ -1,0 +1,1 @@
+"""Scale-out: process groups and collectives, executors, data-parallel replicas, the wire format."""
