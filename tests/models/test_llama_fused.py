@@ -1,4 +1,4 @@
-"""The one-call decoder stack (models/llama_fused.py + layers/cpu_decode.c) against the
+"""The one-call decoder stack (runner/fused_stack.py + layers/cpu_decode.c) against the
 module path: bit-identical hidden states, so identical tokens and logprobs; and it steps
 aside whenever it does not apply."""
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import cpu_ops, native
-from tokenmill.models import llama_fused
+from tokenmill.runner import fused_stack as llama_fused
 
 # Skipped only where the kernels cannot exist; where they should, a failed build fails here.
 pytestmark = pytest.mark.skipif(not native.buildable(), reason="no C compiler, or a CPU without AVX2")
@@ -25,13 +25,13 @@ def model_dir(request, tmp_path_factory):
 
 def _generate(model_dir, prompts, fused: bool, monkeypatch, calls: list, quantization=None,
               kv_cache_dtype="auto", activations="fp32"):
-    real = llama_fused.run_layers
+    real = llama_fused.forward   # the runner's per-step choice of the C stack
 
     def counting(*args):
         out = real(*args) if fused else None
         calls.append(out is not None)
         return out
-    monkeypatch.setattr(llama_fused, "run_layers", counting)
+    monkeypatch.setattr(llama_fused, "forward", counting)
     llm = LLM(model=model_dir, skip_tokenizer_init=True, block_size=4, enable_prefix_caching=False,
               quantization=quantization, kv_cache_dtype=kv_cache_dtype, quant_activations=activations)
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)

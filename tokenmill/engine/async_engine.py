@@ -16,11 +16,14 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Optional
 
+from tokenmill.engine.snapshot import EngineSnapshot, SnapshotCursor, snapshot_counters
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+
+__all__ = ["AsyncEngine", "EngineSnapshot", "RequestHandle", "EngineDeadError",
+           "EngineNotReadyError", "EngineOverloadedError", "RequestFailedError"]
 
 logger = logging.getLogger("tokenmill.async_engine")
 
@@ -41,23 +44,6 @@ class RequestFailedError(RuntimeError):
     """One request finished with an error (e.g. NaN logits) while the engine is fine."""
 
 
-@dataclass
-class EngineSnapshot:
-    """Engine state read in the engine thread after each step (for /metrics)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0          # fraction of KV blocks in use, 0..1
-    num_preemptions: int = 0             # cumulative
-    num_prompt_tokens: int = 0           # cumulative, of finished requests
-    num_generation_tokens: int = 0       # cumulative
-    prefix_cache_queries: int = 0        # cumulative prompt tokens looked up
-    prefix_cache_hits: int = 0
-    new_queue_times: tuple = ()          # seconds, requests finished since the last snapshot
-    spec_decode: Optional[dict] = None   # cumulative speculative counters (None: no speculation)
-    new_spec_requests: tuple = ()        # RequestSpecStats of requests finished since the last one
-
-
 class _Stream:
     """The asyncio side of one request: latest output + wake-up event (loop thread only)."""
 
@@ -75,7 +61,9 @@ class _Stream:
 
 
 class AsyncEngine:
-    """``build`` is called in the engine thread and returns an LLMEngine.
+    """``build`` is called in the engine thread and returns an LLMEngine or a
+    DataParallelEngine (anything with their synchronous surface; see
+    tokenmill.distributed.data_parallel.create_engine).
 
     ``max_pending`` bounds requests accepted but not finished (running + queued); beyond it
     ``add`` raises EngineOverloadedError so the server can answer 503.
@@ -96,8 +84,7 @@ class AsyncEngine:
         self._commands: "queue.SimpleQueue" = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Stream]] = {}
         self._thread: Optional[threading.Thread] = None
-        self._num_queue_times_seen = 0
-        self._num_spec_seen = 0
+        self._cursor = SnapshotCursor()   # per-request samples already published
 
     # -- lifecycle (any thread) ---------------------------------------------------------------
     def start(self) -> None:
@@ -175,7 +162,19 @@ class AsyncEngine:
         finally:
             self.ready.set()
         if self.load_error is None:
-            self._loop()
+            try:
+                self._loop()
+            finally:
+                self._close_engine()
+
+    def _close_engine(self) -> None:
+        # A data-parallel engine owns replica processes / actors: stop them with the server.
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception:
+                logger.exception("engine shutdown failed")
 
     def _loop(self) -> None:
         while True:
@@ -246,17 +245,23 @@ class AsyncEngine:
             error = None
             if out.finished:
                 del self._streams[out.request_id]
-                if any(c.finish_reason == "error" for c in out.outputs):
-                    error = RequestFailedError("the request failed inside the model "
-                                               "(non-finite logits)")
+                reasons = [c.error for c in out.outputs if c.finish_reason == "error"]
+                if reasons:
+                    error = RequestFailedError(reasons[0] or "the request failed inside the model")
             loop, stream = target
             loop.call_soon_threadsafe(stream.deliver, out, error)
+        if not getattr(self.engine, "healthy", True):   # a data-parallel replica died
+            self._fail_all(None, self.engine.dead_error)
         self._publish_stats()
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _fail_all(self, exc: Optional[BaseException], reason: Optional[str] = None) -> None:
         # The traceback goes to the server log only; clients get a generic message.
-        logger.error("engine step failed; failing all requests", exc_info=exc)
-        self.dead_error = f"the engine failed ({type(exc).__name__}); the server must be restarted"
+        if exc is not None:
+            logger.error("engine step failed; failing all requests", exc_info=exc)
+            reason = f"the engine failed ({type(exc).__name__})"
+        else:
+            logger.error("engine unhealthy (%s); failing all requests", reason)
+        self.dead_error = f"{reason}; the server must be restarted"
         for request_id, (loop, stream) in list(self._streams.items()):
             loop.call_soon_threadsafe(stream.deliver, None, EngineDeadError(self.dead_error))
             try:
@@ -273,24 +278,10 @@ class AsyncEngine:
             listener(snap)
 
     def _snapshot(self) -> EngineSnapshot:
-        eng = self.engine
-        sched, stats = eng.scheduler, eng.stats
-        new_queue_times = tuple(stats.queue_times.since(self._num_queue_times_seen))
-        self._num_queue_times_seen = stats.queue_times.count
-        spec, spec_counters, new_spec = eng.runner.spec, None, ()
-        if spec is not None:
-            spec_counters = spec.stats.counters()
-            new_spec = tuple(spec.stats.finished_since(self._num_spec_seen))
-            self._num_spec_seen = spec.stats.num_finished
-        return EngineSnapshot(
-            num_running=len(sched.running), num_waiting=len(sched.waiting),
-            kv_cache_usage=sched.kv.usage, num_preemptions=sched.num_preemptions,
-            num_prompt_tokens=stats.num_prompt_tokens,
-            num_generation_tokens=stats.num_generated_tokens,
-            prefix_cache_queries=sched.kv.prefix_stats.num_queries,
-            prefix_cache_hits=sched.kv.prefix_stats.num_hits,
-            new_queue_times=new_queue_times, spec_decode=spec_counters,
-            new_spec_requests=new_spec)
+        own = getattr(self.engine, "snapshot_counters", None)   # DataParallelEngine
+        if own is not None:
+            return own()
+        return snapshot_counters(self.engine, self._cursor)
 
 
 class RequestHandle:

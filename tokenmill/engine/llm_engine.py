@@ -1,5 +1,5 @@
 """LLMEngine: the synchronous engine. One ``step()`` = schedule -> execute (build input,
-forward, sample) -> update -> detokenize."""
+forward, sample; on every tensor-parallel rank, through the executor) -> update -> detokenize."""
 from __future__ import annotations
 
 import time
@@ -10,18 +10,16 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import Processor, PromptType
-from tokenmill.engine.stats import EngineStats, free_memory_bytes, module_bytes
+from tokenmill.distributed.executor import make_executor
+from tokenmill.distributed.worker import RankSpec
+from tokenmill.engine.stats import EngineStats, free_memory_bytes
 from tokenmill.kv.kv_cache_manager import PrefixCacheStats
-from tokenmill.layers import native
 from tokenmill.models.hub import resolve_model
 from tokenmill.models.loader import load_tokenizer, open_checkpoint
 from tokenmill.outputs import RequestOutput
 from tokenmill.platform import pick_device, resolve_dtype, set_num_threads
 from tokenmill.request import RequestStatus
-from tokenmill.runner.kv_tensors import (bytes_per_block, decide_num_blocks, kv_cache_nbytes,
-                                         kv_storage_dtype)
-from tokenmill.runner.model_loader import build_model
-from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.runner.kv_tensors import bytes_per_block, decide_num_blocks, kv_storage_dtype
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sched.scheduler import Scheduler
 
@@ -29,7 +27,12 @@ from tokenmill.sched.scheduler import Scheduler
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        mc, cc = config.model, config.cache
+        mc, cc, pc = config.model, config.cache, config.parallel
+        if pc.data_parallel_size != 1:
+            raise ValueError("LLMEngine runs one replica; data_parallel_size > 1 goes through "
+                             "tokenmill.distributed.data_parallel")
+        if pc.tensor_parallel_size > 1 and config.speculative is not None:
+            raise ValueError("speculative decoding does not run with tensor_parallel_size > 1 yet")
         self.num_threads = set_num_threads(config.num_threads)
         self.device = pick_device()
         self.dtype = resolve_dtype(mc.dtype, self.device)
@@ -39,31 +42,25 @@ class LLMEngine:
         self.max_model_len = _decide_max_model_len(mc.max_model_len, hf)
         self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(self.model_path)
         torch.manual_seed(mc.seed)
-        if self.device.type == "cpu":
-            native.build()   # compile the kernels now (cached per machine), not in a request
-        self.model = build_model(checkpoint, self.device, self.dtype, self.max_model_len,
-                                 quantization=mc.quantization,
-                                 quant_activations=mc.quant_activations,
-                                 cpu_weight_prepack=mc.cpu_weight_prepack,
-                                 cpu_kernels=mc.cpu_kernels)
-        self.weight_bytes = sum(p.numel() * p.element_size()
-                                for p in {id(p): p for p in self.model.parameters()}.values())
-        a = self.model.args
         self.kv_dtype = kv_storage_dtype(cc.kv_cache_dtype, self.dtype)
         if self.kv_dtype != self.dtype and config.speculative is not None \
                 and config.speculative.method == "draft_model":
             raise ValueError(f"kv_cache_dtype={cc.kv_cache_dtype!r} does not work with a "
                              "draft_model speculator yet; use kv_cache_dtype='auto'")
-        per_block = bytes_per_block(a.num_hidden_layers, cc.block_size, a.num_key_value_heads,
-                                    a.head_dim, self.kv_dtype)
+        # Every rank (one in this process when tensor_parallel_size is 1) loads its shard.
+        self.executor = make_executor(self._rank_spec(), pc, self.num_threads)
+        info = self.executor.info
+        r0 = info[0]
+        self.vocab_size = r0.vocab_size
+        self.weight_bytes = sum(i.weight_bytes for i in info)
+        # The scheduler's blocks exist once per rank, each rank holding its own KV heads.
+        per_block = sum(bytes_per_block(i.num_layers, cc.block_size, i.num_kv_heads, i.head_dim,
+                                        self.kv_dtype) for i in info)
         self.kv_bytes_per_token = per_block // cc.block_size
         num_blocks = decide_num_blocks(cc.num_kv_blocks, cc.kv_cache_memory,
                                        cc.gpu_memory_utilization, per_block, self.device,
                                        self.weight_bytes)
-        # The runner's dtype argument is the KV storage dtype (it allocates the caches).
-        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, self.device,
-                                  self.kv_dtype, mc.attention_backend, seed=mc.seed,
-                                  torch_compile=mc.torch_compile, cpu_kernels=mc.cpu_kernels)
+        self.executor.init_cache(num_blocks, cc.block_size)
         lookahead = 0
         if config.speculative is not None:
             from tokenmill.spec.decoder import build_spec_decoder
@@ -72,9 +69,44 @@ class LLMEngine:
             lookahead = self.runner.spec.num_lookahead_tokens
         self.scheduler = Scheduler(config.scheduler, cc, num_blocks, self.max_model_len,
                                    num_lookahead_tokens=lookahead)
-        self.processor = Processor(self.tokenizer, self.max_model_len, a.vocab_size)
+        self.processor = Processor(self.tokenizer, self.max_model_len, self.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
+
+    def _rank_spec(self) -> RankSpec:
+        mc, pc = self.config.model, self.config.parallel
+        return RankSpec(
+            model_path=self.model_path, dtype=str(self.dtype).removeprefix("torch."),
+            kv_dtype=str(self.kv_dtype).removeprefix("torch."), max_model_len=self.max_model_len,
+            quantization=mc.quantization, quant_activations=mc.quant_activations,
+            cpu_weight_prepack=mc.cpu_weight_prepack, cpu_kernels=mc.cpu_kernels,
+            attention_backend=mc.attention_backend, torch_compile=mc.torch_compile, seed=mc.seed,
+            master_addr=pc.master_addr, master_port=pc.master_port,
+            num_threads=self.num_threads, collective_timeout_s=pc.collective_timeout_s)
+
+    @property
+    def model(self):
+        """The loaded model (tensor_parallel_size 1; the ranks hold it otherwise)."""
+        if self.executor.model is None:
+            raise RuntimeError("the model lives in the tensor-parallel worker processes")
+        return self.executor.model
+
+    @property
+    def runner(self):
+        """The model runner (tensor_parallel_size 1; each rank has its own otherwise)."""
+        if self.executor.runner is None:
+            raise RuntimeError("the model runners live in the tensor-parallel worker processes")
+        return self.executor.runner
+
+    @property
+    def spec_decoder(self):
+        """The speculative decoder, or None."""
+        runner = self.executor.runner
+        return None if runner is None else runner.spec
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do in-process). Idempotent."""
+        self.executor.shutdown()
 
     def warmup(self, num_prompt_tokens: int = 32, num_output_tokens: int = 4) -> None:
         """Run one short request through every stage (a many-row prefill, decode steps,
@@ -83,7 +115,7 @@ class LLMEngine:
         Leaves no trace: counters, prefix cache and request maps are as before."""
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() runs on an idle engine only")
-        vocab = self.model.args.vocab_size
+        vocab = self.vocab_size
         num_prompt_tokens = max(1, min(num_prompt_tokens, self.max_model_len - num_output_tokens))
         prompt = [(7 * i + 3) % vocab for i in range(num_prompt_tokens)]
         params = SamplingParams(temperature=0.0, max_tokens=num_output_tokens, ignore_eos=True)
@@ -94,8 +126,8 @@ class LLMEngine:
         self.scheduler.kv.prefix_stats = PrefixCacheStats()
         self.scheduler.num_preemptions = 0
         self.stats = EngineStats()
-        if self.runner.spec is not None:
-            self.runner.spec.reset_stats()
+        if self.spec_decoder is not None:
+            self.spec_decoder.reset_stats()
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: SamplingParams,
@@ -135,7 +167,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
         sched_out = self.scheduler.schedule()
-        runner_out = self.runner.execute(sched_out)
+        runner_out = self.executor.execute(sched_out)
         core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         live = {o.req_id: self._request_or_none(o.req_id) for o in core_outputs}
         results, stops = self.output_processor.process(core_outputs, live)
@@ -147,7 +179,7 @@ class LLMEngine:
 
     def _release_if_idle(self) -> None:
         if not self.scheduler.has_unfinished_requests():
-            self.runner.release(self.scheduler.take_finished_ids())
+            self.executor.release(self.scheduler.take_finished_ids())
 
     def _request_or_none(self, req_id: str):
         return self.scheduler.requests.get(req_id) or self.scheduler.recently_finished.get(req_id)
@@ -164,8 +196,8 @@ class LLMEngine:
 
     def _on_finished(self, req) -> None:
         self.stats.on_finished(req)
-        if self.runner.spec is not None:     # its per-request spec stats join the recent list
-            self.runner.spec.finish_request(req.request_id)
+        if self.spec_decoder is not None:     # its per-request spec stats join the recent list
+            self.spec_decoder.finish_request(req.request_id)
 
     # -- introspection ----------------------------------------------------------------------
     def get_stats(self) -> dict:
@@ -175,8 +207,8 @@ class LLMEngine:
         stats = self.stats.snapshot(self.scheduler.num_preemptions, prefix.hit_rate)
         stats["prefix_cache_queries"] = prefix.num_queries
         stats["prefix_cache_hits"] = prefix.num_hits
-        if self.runner.spec is not None:
-            stats.update(self.runner.spec.snapshot())
+        if self.spec_decoder is not None:
+            stats.update(self.spec_decoder.snapshot())
         return stats
 
     def get_memory_stats(self) -> dict:
@@ -186,11 +218,12 @@ class LLMEngine:
         fraction of KV blocks in use, 0..1. ``free_memory``: free memory on the device the
         model runs on (system MemAvailable on CPU, free device memory on CUDA)."""
         kv = self.scheduler.kv
-        return {
-            "model_weights": module_bytes(self.model),
-            "prepacked_weights": self.model.prepacked_bytes,   # oneDNN / tiled q8 copies (CPU)
+        ranks = self.executor.memory()
+        stats = {
+            "model_weights": sum(r["model_weights"] for r in ranks),
+            "prepacked_weights": sum(r["prepacked_weights"] for r in ranks),  # oneDNN / tiled q8
             "free_memory": free_memory_bytes(self.device),
-            "kv_cache": kv_cache_nbytes(self.runner.kv_caches),
+            "kv_cache": sum(r["kv_cache"] for r in ranks),
             "kv_cache_dtype": self.config.cache.kv_cache_dtype,
             "kv_cache_storage_dtype": str(self.kv_dtype).removeprefix("torch."),
             "kv_bytes_per_token": self.kv_bytes_per_token,   # all layers, K + V, scales included
@@ -200,7 +233,11 @@ class LLMEngine:
             "num_free_blocks": kv.num_free_blocks,
             "num_total_blocks": kv.num_total_blocks,
             "block_size": kv.block_size,
+            "tensor_parallel_size": len(ranks),
         }
+        if len(ranks) > 1:   # each rank's shard and KV heads
+            stats["ranks"] = ranks
+        return stats
 
 
 def _decide_max_model_len(requested: Optional[int], hf_config: dict) -> int:

@@ -65,6 +65,24 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='speculative decoding, JSON: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--speculative-model", default=None, help="draft model, or [ngram] for prompt lookup")
     g.add_argument("--num-speculative-tokens", type=int, default=None)
+    _add_parallel_args(p)
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split each layer over this many worker processes (inside one node)")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="whole-engine replicas; each request goes to one of them")
+    g.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default="mp",
+                   help="replicas as local processes (mp) or Ray actors, possibly on other "
+                        "nodes (ray)")
+    g.add_argument("--router", choices=["prefix", "round_robin"], default="prefix",
+                   help="how requests pick a data-parallel replica: prefix = requests sharing "
+                        "their first KV blocks go to the same one (its prefix cache hits)")
+    g.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join ('auto' = the one `ray start` runs here; default: "
+                        "start a local one)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -93,7 +111,11 @@ def _make_llm(args):
                cpu_kernels=args.cpu_kernels,
                speculative_config=_json_arg("--speculative-config", args.speculative_config),
                speculative_model=args.speculative_model,
-               num_speculative_tokens=args.num_speculative_tokens)
+               num_speculative_tokens=args.num_speculative_tokens,
+               tensor_parallel_size=args.tensor_parallel_size,
+               data_parallel_size=args.data_parallel_size,
+               distributed_executor_backend=args.distributed_executor_backend,
+               router=args.router, ray_address=args.ray_address)
 
 
 def _json_arg(flag: str, text):
@@ -236,6 +258,8 @@ def _add_bench_parsers(sub) -> None:
     from tokenmill.bench import ablate, compare
     compare.add_parser(bench_sub)
     ablate.add_parser(bench_sub)
+    from tokenmill.bench import collectives
+    collectives.add_parser(bench_sub)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

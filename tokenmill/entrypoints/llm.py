@@ -5,8 +5,9 @@ from typing import Iterator, Optional, Sequence, Union
 
 from tqdm import tqdm
 
-from tokenmill.config import (CacheConfig, EngineConfig, ModelConfig, SchedulerConfig,
-                              SpeculativeConfig)
+from tokenmill.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
+                              SchedulerConfig, SpeculativeConfig)
+from tokenmill.distributed.data_parallel import create_engine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -26,7 +27,10 @@ class LLM:
                  num_speculative_tokens: Optional[int] = None,
                  quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
                  quant_activations: str = "fp32", torch_compile: bool = False,
-                 cpu_weight_prepack: bool = True, cpu_kernels: bool = True) -> None:
+                 cpu_weight_prepack: bool = True, cpu_kernels: bool = True,
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                 distributed_executor_backend: str = "mp", router: str = "prefix",
+                 ray_address: Optional[str] = None) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               skip_tokenizer_init=skip_tokenizer_init,
@@ -45,8 +49,13 @@ class LLM:
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       policy=scheduling_policy),
             num_threads=num_threads, cache_dir=cache_dir,
-            speculative=_speculative(speculative_config, speculative_model, num_speculative_tokens))
-        self.engine = LLMEngine(config)
+            speculative=_speculative(speculative_config, speculative_model, num_speculative_tokens),
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
+                                    data_parallel_size=data_parallel_size,
+                                    distributed_executor_backend=distributed_executor_backend,
+                                    router=router, ray_address=ray_address))
+        # data_parallel_size > 1: a DataParallelEngine (same surface) over replica processes
+        self.engine = create_engine(config)
         self.engine.warmup()   # one-time costs now, not in the first request
 
     def get_tokenizer(self):
@@ -78,17 +87,19 @@ class LLM:
         """Yield the growing RequestOutput of one prompt after every engine step."""
         params = sampling_params or SamplingParams()
         request_id = self.engine.add_request(None, prompt, params)
+        finished = False
         try:
             while True:
                 for out in self.engine.step():
                     if out.request_id == request_id:
+                        finished = out.finished
                         yield out
                         if out.finished:
                             return
                 if not self.engine.has_unfinished_requests():
                     return
         finally:
-            if self.engine.output_processor.has(request_id):
+            if not finished:   # left early: free its blocks
                 self.engine.abort_request(request_id)
 
     @property

@@ -17,11 +17,13 @@ from typing import Optional
 import torch
 from torch import nn
 
+from tokenmill.distributed.parallel_state import SINGLE, TPGroup
 from tokenmill.layers.attention.base import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import GemmaRMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.layers.vocab import VocabParallelEmbedding
 from tokenmill.models.llama import LlamaArgs, LlamaAttention, LlamaForCausalLM, LlamaMLP, layer_windows
 
 DEFAULT_GLOBAL_THETA, DEFAULT_LOCAL_THETA = 1_000_000.0, 10_000.0
@@ -81,11 +83,11 @@ class Gemma3Attention(LlamaAttention):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, a: Gemma3Args, rotary: RotaryEmbedding, layer: int) -> None:
+    def __init__(self, a: Gemma3Args, rotary: RotaryEmbedding, layer: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.self_attn = Gemma3Attention(a, rotary, sliding_window=a.window(layer),
-                                         scale=a.query_pre_attn_scalar ** -0.5)
-        self.mlp = LlamaMLP(a)
+                                         scale=a.query_pre_attn_scalar ** -0.5, tp=tp)
+        self.mlp = LlamaMLP(a, tp)
         h, eps = a.hidden_size, a.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
@@ -99,27 +101,30 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Model(nn.Module):
-    def __init__(self, a: Gemma3Args) -> None:
+    def __init__(self, a: Gemma3Args, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, tp)
         # HF keeps sqrt(hidden) as a float32 tensor and casts it to the weight dtype.
         self.register_buffer("embed_scale", torch.tensor(a.hidden_size ** 0.5), persistent=False)
         glob = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
         local = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.local_rope_theta, a.local_rope_scaling)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(a, local if a.window(i) else glob, i) for i in range(a.num_hidden_layers))
+            Gemma3DecoderLayer(a, local if a.window(i) else glob, i, tp) for i in range(a.num_hidden_layers))
         self.norm = GemmaRMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
 class Gemma3ForCausalLM(nn.Module):
     stacked_params = LlamaForCausalLM.stacked_params
 
-    def __init__(self, hf_config: dict) -> None:
+    num_kv_heads = LlamaForCausalLM.num_kv_heads
+
+    def __init__(self, hf_config: dict, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.args = Gemma3Args.from_gemma(hf_config)
-        self.model = Gemma3Model(self.args)
-        self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size)
+        self.tp = tp
+        self.model = Gemma3Model(self.args, tp)
+        self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size, tp=tp,
+                              parallel="column", gather_output=True)
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

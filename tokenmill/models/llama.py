@@ -1,6 +1,10 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, ...). Math only: no scheduling, device or
 quantization branches. Parameter names match HF checkpoints; q/k/v and gate/up are fused
-into one matmul each, declared in ``stacked_params``."""
+into one matmul each, declared in ``stacked_params``.
+
+Tensor parallel over ``tp``: each rank computes its attention heads (q/k/v column-split, KV
+heads replicated when there are fewer than ranks) and its FFN columns; o_proj and down_proj
+are row-split (one all-reduce each inside the layer); embedding and head split the vocabulary."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -9,13 +13,14 @@ from typing import Optional
 import torch
 from torch import nn
 
+from tokenmill.distributed.parallel_state import SINGLE, TPGroup, split_evenly
 from tokenmill.layers.activation import gated_activation
 from tokenmill.layers.attention.base import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.models import llama_fused
+from tokenmill.layers.vocab import VocabParallelEmbedding
 
 
 @dataclass(frozen=True)
@@ -85,15 +90,17 @@ class LlamaAttention(nn.Module):
     norm_cls = RMSNorm   # of the optional per-head q/k norms
 
     def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding, sliding_window: Optional[int] = None,
-                 scale: Optional[float] = None) -> None:
+                 scale: Optional[float] = None, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            a.num_attention_heads, a.num_key_value_heads, a.head_dim)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.head_dim = a.head_dim
+        self.num_heads = split_evenly(a.num_attention_heads, tp.size, "attention heads")
+        self.num_kv_heads, kv_parts = kv_heads_per_rank(a.num_key_value_heads, tp)
+        q_size, kv_size = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
         qkv_bias = a.attention_bias if a.qkv_bias is None else a.qkv_bias
         self.qkv_proj = MergedLinear(a.hidden_size, [q_size, kv_size, kv_size], ["q", "k", "v"],
-                                     bias=qkv_bias)
-        self.o_proj = Linear(q_size, a.hidden_size, bias=a.attention_bias)
+                                     bias=qkv_bias, tp=tp, parallel="column",
+                                     shard_parts={"k": kv_parts, "v": kv_parts} if kv_parts else None)
+        self.o_proj = Linear(q_size, a.hidden_size, bias=a.attention_bias, tp=tp, parallel="row")
         self.q_norm = self.norm_cls(self.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.k_norm = self.norm_cls(self.head_dim, a.rms_norm_eps) if a.qk_norm else None
         self.rotary = rotary
@@ -115,12 +122,25 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
+def kv_heads_per_rank(num_kv_heads: int, tp: TPGroup) -> tuple[int, Optional[tuple[int, int]]]:
+    """(KV heads this rank holds, (parts, this rank's part) when heads are replicated):
+    with more ranks than KV heads each rank keeps one head, shared by tp / num_kv_heads
+    consecutive ranks (their query heads are the ones that attend to it)."""
+    if tp.size <= num_kv_heads:
+        return split_evenly(num_kv_heads, tp.size, "KV heads"), None
+    if tp.size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {tp.size} is neither a divisor nor a multiple "
+                         f"of the {num_kv_heads} KV heads")
+    return 1, (num_kv_heads, tp.rank // (tp.size // num_kv_heads))
+
+
 class LlamaMLP(nn.Module):
-    def __init__(self, a: LlamaArgs) -> None:
+    def __init__(self, a: LlamaArgs, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         inter = a.intermediate_size
-        self.gate_up_proj = MergedLinear(a.hidden_size, [inter, inter], ["gate", "up"], bias=a.mlp_bias)
-        self.down_proj = Linear(inter, a.hidden_size, bias=a.mlp_bias)
+        self.gate_up_proj = MergedLinear(a.hidden_size, [inter, inter], ["gate", "up"],
+                                         bias=a.mlp_bias, tp=tp, parallel="column")
+        self.down_proj = Linear(inter, a.hidden_size, bias=a.mlp_bias, tp=tp, parallel="row")
         self.act = gated_activation(a.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, hidden]
@@ -128,10 +148,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding, layer: int) -> None:
+    def __init__(self, a: LlamaArgs, rotary: RotaryEmbedding, layer: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(a, rotary, sliding_window=a.window(layer))
-        self.mlp = LlamaMLP(a)
+        self.self_attn = LlamaAttention(a, rotary, sliding_window=a.window(layer), tp=tp)
+        self.mlp = LlamaMLP(a, tp)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
@@ -142,12 +162,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, a: LlamaArgs) -> None:
+    def __init__(self, a: LlamaArgs, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, tp)
         rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(a, rotary, i) for i in range(a.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(a, rotary, i, tp) for i in range(a.num_hidden_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
@@ -159,11 +178,13 @@ class LlamaForCausalLM(nn.Module):
         ".gate_proj.": (".gate_up_proj.", "gate"), ".up_proj.": (".gate_up_proj.", "up"),
     }
 
-    def __init__(self, hf_config: dict) -> None:
+    def __init__(self, hf_config: dict, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.args = self.make_args(hf_config)
-        self.model = LlamaModel(self.args)
-        self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size)
+        self.tp = tp
+        self.model = LlamaModel(self.args, tp)
+        self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size, tp=tp,
+                              parallel="column", gather_output=True)
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -175,15 +196,13 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.args.num_key_value_heads
+        """KV heads this rank's cache holds."""
+        return self.model.layers[0].self_attn.num_kv_heads
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         # input_ids [T], positions [T] -> hidden [T, hidden]
         x = self.model.embed_tokens(input_ids)
-        fused = llama_fused.run_layers(self, x, positions, kv_caches, meta, backend)
-        if fused is not None:   # decode-sized step of a plain stack: all layers in one C call
-            return self.model.norm(fused)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(positions, x, kv_cache, meta, backend)
         return self.model.norm(x)

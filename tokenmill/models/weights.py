@@ -9,6 +9,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from tokenmill.models.loader.lazy import LazyTensor, materialize
+
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -29,13 +31,16 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
         loader = getattr(param, "weight_loader", None)
+        if not getattr(loader, "accepts_lazy", False):
+            tensor = materialize(tensor)
         if loader is None:
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(param.shape)}")
             param.data.copy_(tensor)
         else:
-            loader(param, tensor.to(param.dtype), shard, name=name)
+            loader(param, tensor if isinstance(tensor, LazyTensor) else tensor.to(param.dtype),
+                   shard, name=name)
         seen.add(name)
     missing = sorted(expected - seen)
     if missing:

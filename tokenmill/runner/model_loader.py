@@ -5,6 +5,7 @@ from typing import Optional
 
 import torch
 
+from tokenmill.distributed.parallel_state import SINGLE, TPGroup
 from tokenmill.layers.cpu_ops import set_cpu_kernels
 from tokenmill.layers.prepacked import prepack_linears
 from tokenmill.layers.quant import (attach_quantization, checkpoint_tensors,
@@ -19,23 +20,26 @@ from tokenmill.models.weights import load_weights
 def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
                 max_model_len: int, quantization: Optional[str] = None,
                 quant_activations: str = "fp32",
-                cpu_weight_prepack: bool = False, cpu_kernels: bool = True) -> torch.nn.Module:
+                cpu_weight_prepack: bool = False, cpu_kernels: bool = True,
+                tp: TPGroup = SINGLE) -> torch.nn.Module:
     """``quantization``: None / "int8" / "int4[-gN]" / "fp8" / "gguf"; a quantized
     checkpoint (GPTQ, AWQ, FP8 config) brings its own scheme. ``quant_activations``: "fp32"
     / "q8" for the packed linears' matmuls. ``cpu_kernels``: the fused C kernels where
     they apply (layers/cpu_ops.py), else plain PyTorch everywhere.
     ``cpu_weight_prepack``: float32 CPU linears get a oneDNN copy of their weight
     (layers/prepacked.py), and packed int8 / int4 linears with q8 activations a tiled copy
-    for the tiled q8 GEMM (layers/quant/qgemm.py); ``model.prepacked_bytes`` says what it added."""
+    for the tiled q8 GEMM (layers/quant/qgemm.py); ``model.prepacked_bytes`` says what it added.
+    ``tp``: this rank's tensor-parallel group; each parameter loads only its piece (safetensors
+    are read lazily, slice by slice)."""
     cfg = dict(checkpoint.hf_config)
     # RoPE tables only need to cover the context we serve.
     cfg["max_position_embeddings"] = max(max_model_len, 1)
     cls = model_class(cfg)
     with torch.device(device):
-        model = cls(cfg)
+        model = cls(cfg, tp)
     spec = resolve_quant_spec(quantization, checkpoint)
     plan = attach_quantization(model, spec)   # strategies create their parameters
-    load_weights(model, checkpoint_tensors(checkpoint, spec, plan))
+    load_weights(model, checkpoint_tensors(checkpoint, spec, plan, lazy=tp.is_parallel))
     model.to(dtype=dtype)
     process_weights_after_loading(model)      # strategies repack what they loaded
     share_packed_head_with_embedding(model)   # tied: no float copy of a packed head

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from tokenmill.layers.attention import get_attention_backend
+from tokenmill.runner import fused_stack
 from tokenmill.outputs import Logprob, ModelRunnerOutput
 from tokenmill.runner.input_builder import ModelInput, RunnerRequestState, build_model_input
 from tokenmill.runner.kv_tensors import allocate_kv_caches
@@ -30,7 +31,7 @@ def compile_layers(model: torch.nn.Module, backend) -> None:
     token count of a shape class). The attention backend stays eager (its paged-cache
     bookkeeping is Python); the fused CPU kernels step aside while tracing
     (cpu_ops.tracing), so inductor fuses the norm / RoPE / SiLU ops itself. Layers run by
-    the one-call decode stack (llama_fused) are not affected."""
+    the one-call decode stack (runner/fused_stack.py) are not affected."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"torch_compile: {type(model).__name__} has no model.layers to compile")
@@ -48,8 +49,9 @@ class ModelRunner:
         self.block_size = block_size
         a = model.args
         self.vocab_size = a.vocab_size
+        # a tensor-parallel rank's cache holds only its KV heads
         self.kv_caches = allocate_kv_caches(a.num_hidden_layers, num_blocks, block_size,
-                                            a.num_key_value_heads, a.head_dim, dtype, device)
+                                            model.num_kv_heads, a.head_dim, dtype, device)
         self.backend = get_attention_backend(attention_backend, cpu_kernels)
         if torch_compile:
             compile_layers(model, self.backend)
@@ -92,7 +94,7 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
         inp = build_model_input(so.num_scheduled_tokens, self.states, self.block_size, self.device)
-        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta, self.backend)
+        hidden = self._forward(inp)
         out = ModelRunnerOutput(req_ids=inp.req_ids, sampled_token_ids=[[] for _ in inp.req_ids])
         _flag_nonfinite(hidden, inp, out)
         self._prompt_logprobs(hidden, inp, out)
@@ -108,6 +110,15 @@ class ModelRunner:
         if self.spec is not None:
             out.draft_token_ids = self.spec.after_step(self, so, inp, hidden[last_rows], out, t_start)
         return out
+
+    def _forward(self, inp: ModelInput) -> torch.Tensor:
+        """Hidden states [T, hidden] of the step: the one-call C decode stack when it applies
+        (decode-sized steps of a plain single-rank Llama stack), else the model's modules."""
+        hidden = fused_stack.forward(self.model, inp.input_ids, inp.positions, self.kv_caches,
+                                     inp.attn_meta, self.backend)
+        if hidden is not None:
+            return hidden
+        return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta, self.backend)
 
     def _sample(self, logits: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput) -> None:
         # logits [num_sample, V]. A row with NaN/inf logits fails only its own request.

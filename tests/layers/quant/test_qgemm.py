@@ -90,7 +90,7 @@ def test_engine_tiles_q8_linears_and_fuses_them(tiny_llama_dir):
     and the one-call decode stack reads the same tiles; without prepacking nothing is tiled,
     and the streaming q8 kernel taking every step (the 38-token prefill too) gives the same
     tokens and logprobs up to summation order."""
-    from tokenmill.models import llama_fused
+    from tokenmill.runner import fused_stack as llama_fused
     params = dict(temperature=0.0, max_tokens=8, logprobs=0)
     prompts = [{"prompt_token_ids": [1, 5, 9, 11, 3]}, {"prompt_token_ids": list(range(2, 40))}]
     q8 = LLM(model=tiny_llama_dir, quantization="int8", quant_activations="q8", skip_tokenizer_init=True)

@@ -16,9 +16,7 @@ import uvicorn
 
 # Flags users type from vLLM habits for features tokenmill does not have yet. Each is accepted
 # and, when given a non-default value, stops the server with a clear message (never ignored).
-_NOT_YET = {
-    "tensor_parallel_size": ("--tensor-parallel-size", 1),
-}
+_NOT_YET: dict = {}   # --tensor-parallel-size left it: a real engine flag now
 
 
 def _has_option(parser: argparse.ArgumentParser, flag: str) -> bool:

@@ -228,7 +228,7 @@ def _add_engine_routes(app: FastAPI, state: ServerState) -> None:
         if not state.engine.healthy:
             return JSONResponse(error_body(503, "the model is not loaded"), status_code=503)
         def read(eng):
-            return eng.runner.spec is not None, web.request_spec_stats(eng, request_id)
+            return eng.config.speculative is not None, web.request_spec_stats(eng, request_id)
         speculating, spec = await asyncio.wrap_future(state.engine.call(read))
         if speculating and spec is None:
             return JSONResponse(error_body(404, f"no recent request {request_id!r}"), status_code=404)

@@ -15,6 +15,8 @@ import os
 import time
 from typing import AsyncIterator, Optional
 
+from tokenmill.engine import snapshot
+
 STATIC_DIR = os.path.join(os.path.dirname(__file__), "static")
 STREAM_INTERVAL_S = 0.5   # the issue asks for at least one update a second
 
@@ -51,45 +53,17 @@ def static_file(name: str) -> Optional[tuple[bytes, str]]:
 def engine_view(engine) -> dict:
     """The engine's state for the dashboard (run in the engine thread): queue lengths,
     cumulative token counts, prefix-cache and KV figures with a per-block map, speculative
-    acceptance per draft position."""
-    sched, kv = engine.scheduler, engine.scheduler.kv
-    blocks = kv.pool.blocks
-    cells = "".join("u" if b.ref_cnt > 0 else "c" if b.block_hash is not None else "f" for b in blocks)
-    stats = engine.stats
-    view = {
-        "num_running": len(sched.running), "num_waiting": len(sched.waiting),
-        "prompt_tokens_total": stats.num_prompt_tokens,
-        "generation_tokens_total": stats.num_generated_tokens,
-        "num_preemptions": sched.num_preemptions,
-        "prefix_cache_hit_rate": kv.prefix_stats.hit_rate,
-        "kv": {"num_blocks": len(blocks), "block_size": kv.block_size,
-               "num_used": cells.count("u"), "num_cached": cells.count("c"),
-               "num_free": cells.count("f"), "usage": kv.usage, "map": cells},
-        "spec": None,
-    }
-    spec = engine.runner.spec
-    if spec is not None:
-        c = spec.stats.counters()
-        drafts = c["num_drafts"]
-        view["spec"] = {
-            "method": spec.config.method, "num_speculative_tokens": spec.k_max,
-            "acceptance_rate": c["acceptance_rate"],
-            "mean_acceptance_length": c["mean_acceptance_length"], "num_drafts": drafts,
-            "accepted_per_position": [n / drafts if drafts else 0.0
-                                      for n in c["num_accepted_tokens_per_pos"]]}
-    return view
+    acceptance per draft position. A data-parallel engine merges its replicas' views (the
+    block map shows every replica's pool, one after the other)."""
+    own = getattr(engine, "dashboard_view", None)   # DataParallelEngine
+    return own() if own is not None else snapshot.dashboard_view(engine)
 
 
 def request_spec_stats(engine, request_id: str) -> Optional[dict]:
     """A recent or running request's speculative counters (engine thread); None when the
     engine does not speculate or no longer remembers the request."""
-    spec = engine.runner.spec
-    if spec is None:
-        return None
-    for r in spec.stats.requests():
-        if r["request_id"] == request_id:
-            return r
-    return None
+    own = getattr(engine, "request_spec_stats", None)   # DataParallelEngine
+    return own(request_id) if own is not None else snapshot.request_spec_stats(engine, request_id)
 
 
 class DashboardFeed:

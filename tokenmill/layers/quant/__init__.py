@@ -159,9 +159,10 @@ def resolve_quant_spec(requested: Optional[str], checkpoint) -> QuantSpec:
     return parse_quantization(requested)
 
 
-def checkpoint_tensors(checkpoint, spec: QuantSpec, plan: PackPlan):
-    """The tensors to load: packed GGUF blocks where the plan says so, else the usual ones."""
+def checkpoint_tensors(checkpoint, spec: QuantSpec, plan: PackPlan, lazy: bool = False):
+    """The tensors to load: packed GGUF blocks where the plan says so, else the usual ones.
+    ``lazy``: safetensors come as LazyTensors that loaders narrow before reading."""
     if spec.method == "gguf" and plan:
         from tokenmill.layers.quant import gguf
         return gguf.iter_tensors(checkpoint, plan)
-    return checkpoint.iter_tensors()
+    return checkpoint.iter_tensors(lazy=lazy)

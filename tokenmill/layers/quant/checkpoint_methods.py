@@ -60,9 +60,10 @@ class GPTQMethod(PackedLinearMethod):
         if k % g or k % per or any(s % per for s in layer.shard_sizes):
             raise ValueError(f"GPTQ layer [{n}, {k}] does not fit bits={self.bits}, group={g}")
         i32 = torch.int32
-        new_param(layer, "qweight", torch.zeros(k // per, n, dtype=i32), output_dim=1)
-        new_param(layer, "qzeros", torch.zeros(k // g, n // per, dtype=i32), 1, per)
-        new_param(layer, "scales", torch.zeros(k // g, n), output_dim=1)
+        new_param(layer, "qweight", torch.zeros(k // per, n, dtype=i32), output_dim=1,
+                  input_dim=0, input_pack=per)
+        new_param(layer, "qzeros", torch.zeros(k // g, n // per, dtype=i32), 1, per, 0, g)
+        new_param(layer, "scales", torch.zeros(k // g, n), output_dim=1, input_dim=0, input_pack=g)
         g_idx = new_param(layer, "g_idx", torch.zeros(len(layer.shard_sizes), k, dtype=i32))
         g_idx.weight_loader = _per_shard_loader(layer)
 
@@ -83,9 +84,18 @@ class GPTQMethod(PackedLinearMethod):
 
 
 def _per_shard_loader(layer: nn.Module):
-    """g_idx is per input column, so fused shards each keep their own row."""
+    """g_idx is per input column, so fused shards each keep their own row. A row-parallel
+    rank keeps its columns, with group numbers counted from its first group."""
     def load(param, loaded, shard_id=None, name=""):
         row = 0 if shard_id is None else layer.shard_names.index(shard_id)
+        if layer.parallel == "row" and layer.tp.is_parallel:
+            k = layer.in_features
+            loaded = loaded.narrow(0, layer.tp.rank * k, k)
+            first = loaded.min() if loaded.numel() else 0
+            if loaded.numel() and int(loaded.max() - first) * layer.quant_method.group_size >= k:
+                raise ValueError(f"tensor {name!r}: act-order GPTQ groups span the ranks' input "
+                                 "features; it cannot be split row-parallel")
+            loaded = loaded - first
         if tuple(loaded.shape) != (param.shape[1],):
             raise ValueError(f"tensor {name!r} has shape {tuple(loaded.shape)}, expected ({param.shape[1]},)")
         param.data[row].copy_(loaded)
@@ -124,9 +134,9 @@ class AWQMethod(PackedLinearMethod):
         k, n, g = layer.in_features, layer.out_features, self.group_size
         if k % g or any(s % 8 for s in layer.shard_sizes):
             raise ValueError(f"AWQ layer [{n}, {k}] does not fit group {g}")
-        new_param(layer, "qweight", torch.zeros(k, n // 8, dtype=torch.int32), 1, 8)
-        new_param(layer, "qzeros", torch.zeros(k // g, n // 8, dtype=torch.int32), 1, 8)
-        new_param(layer, "scales", torch.zeros(k // g, n), output_dim=1)
+        new_param(layer, "qweight", torch.zeros(k, n // 8, dtype=torch.int32), 1, 8, 0, 1)
+        new_param(layer, "qzeros", torch.zeros(k // g, n // 8, dtype=torch.int32), 1, 8, 0, g)
+        new_param(layer, "scales", torch.zeros(k // g, n), output_dim=1, input_dim=0, input_pack=g)
 
     def process_weights_after_loading(self, layer):
         q = awq_unpack(layer.qweight.data).t()          # [N, K]
@@ -153,7 +163,7 @@ class FP8CheckpointMethod(PackedLinearMethod):
 
     def create_weights(self, layer):
         n, k = layer.out_features, layer.in_features
-        new_param(layer, "weight", torch.zeros(n, k, dtype=torch.float8_e4m3fn))
+        new_param(layer, "weight", torch.zeros(n, k, dtype=torch.float8_e4m3fn), input_dim=1)
         scale = new_param(layer, "weight_scale", torch.zeros(n, 1))
         scale.weight_loader = _scale_loader(layer)
 
@@ -168,7 +178,11 @@ def _scale_loader(layer: nn.Module):
     """Per-tensor (scalar) or per-channel ([N] / [N, 1]) scales, broadcast to [rows, 1]."""
     def load(param, loaded, shard_id=None, name=""):
         start, end = layer.shard_range(shard_id) if shard_id is not None else (0, param.shape[0])
-        param.data[start:end] = loaded.float().reshape(-1, 1).expand(end - start, 1)
+        loaded = loaded.float().reshape(-1, 1)
+        if loaded.shape[0] > 1 and layer.parallel == "column" and layer.tp.is_parallel:
+            first, rows = layer.checkpoint_rows[shard_id]   # per-channel: this rank's rows
+            loaded = loaded[first:first + rows]
+        param.data[start:end] = loaded.expand(end - start, 1)
     return load
 
 
@@ -183,11 +197,12 @@ class GGUFMethod(PackedLinearMethod):
     def create_weights(self, layer):
         n, k = layer.out_features, layer.in_features
         if self.kind == "i8":
-            new_param(layer, "qweight", torch.zeros(n, k, dtype=torch.int8))
+            new_param(layer, "qweight", torch.zeros(n, k, dtype=torch.int8), input_dim=1)
         else:
-            new_param(layer, "qweight", torch.zeros(n, k // 2, dtype=torch.uint8))
-            new_param(layer, "mins", torch.zeros(n, k // 32))
-        new_param(layer, "scales", torch.zeros(n, k // 32))
+            new_param(layer, "qweight", torch.zeros(n, k // 2, dtype=torch.uint8), input_dim=1,
+                      input_pack=2)
+            new_param(layer, "mins", torch.zeros(n, k // 32), input_dim=1, input_pack=32)
+        new_param(layer, "scales", torch.zeros(n, k // 32), input_dim=1, input_pack=32)
 
     def process_weights_after_loading(self, layer):
         n, k = layer.out_features, layer.in_features

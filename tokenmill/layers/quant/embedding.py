@@ -35,19 +35,37 @@ class PackedEmbedding(nn.Module):
 
 
 def share_packed_head_with_embedding(model: nn.Module) -> bool:
-    """Swap a tied float embedding for a PackedEmbedding over the packed head; True if done."""
+    """Swap a tied float embedding for a PackedEmbedding over the packed head; True if done.
+    A tensor-parallel rank keeps its vocab-parallel embedding (it masks and all-reduces)
+    but fills it with the packed head's values, so its lookups equal one process's."""
+    parts = _tied_packed_head(model)
+    if parts is None:
+        return False
+    head, inner = model.lm_head, model.model
+    embed = inner.embed_tokens
+    if getattr(embed, "tp", None) is not None and embed.tp.is_parallel:
+        embed.weight = nn.Parameter(dequantize_stored(parts[0]).to(embed.weight.dtype),
+                                    requires_grad=False)
+        if getattr(head, "weight", None) is not None and head.weight is not embed.weight:
+            del head.weight
+        return True
+    if getattr(head, "weight", None) is embed.weight:   # head still holds the float tensor
+        del head.weight
+    inner.embed_tokens = PackedEmbedding(parts[0])
+    return True
+
+
+def _tied_packed_head(model: nn.Module):
+    """The packed head's parts when the model ties a float embedding to a packed head."""
     inner = getattr(model, "model", None)
     head = getattr(model, "lm_head", None)
     embed = getattr(inner, "embed_tokens", None)
     if not (getattr(model, "args", None) is not None and model.args.tie_word_embeddings
             and isinstance(embed, nn.Embedding) and head is not None):
-        return False
+        return None
     parts = getattr(head, "packed", None)
     if not parts or len(parts) != 1 or parts[0].perm is not None \
             or parts[0].out_features != embed.num_embeddings \
             or parts[0].in_features != embed.embedding_dim:
-        return False
-    if getattr(head, "weight", None) is embed.weight:   # head still holds the float tensor
-        del head.weight
-    inner.embed_tokens = PackedEmbedding(parts[0])
-    return True
+        return None
+    return parts

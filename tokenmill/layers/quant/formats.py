@@ -99,10 +99,17 @@ def dequantize_stored(p: Packed) -> torch.Tensor:
 
 
 # -- RTN quantizers ---------------------------------------------------------------------------
-def quantize_int8(w: torch.Tensor) -> Packed:
-    """Per-channel symmetric: scale = max|w_row| / 127."""
+def row_absmax(w: torch.Tensor) -> torch.Tensor:
+    """max |w| of each row, [N, 1] (a row-parallel rank reduces it over the ranks)."""
+    return w.float().abs().amax(dim=1, keepdim=True)
+
+
+def quantize_int8(w: torch.Tensor, absmax: Optional[torch.Tensor] = None) -> Packed:
+    """Per-channel symmetric: scale = max|w_row| / 127 (``absmax``: of the whole row when
+    ``w`` holds only some of its columns)."""
     w = w.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
+    absmax = row_absmax(w) if absmax is None else absmax
+    scale = (absmax / 127.0).clamp(min=1e-12)
     q = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
     n, k = w.shape
     return Packed("i8", q, scale.contiguous(), None, k, n, k)
@@ -142,10 +149,11 @@ def int4_packed(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_
     return Packed("i4", pack_int4(q), scale.float().contiguous(), mins, group_size, n, k, perm)
 
 
-def quantize_fp8(w: torch.Tensor) -> Packed:
+def quantize_fp8(w: torch.Tensor, absmax: Optional[torch.Tensor] = None) -> Packed:
     """Per-channel E4M3: scale = max|w_row| / 448, values rounded to the nearest e4m3."""
     w = w.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    absmax = row_absmax(w) if absmax is None else absmax
+    scale = (absmax / FP8_MAX).clamp(min=1e-12)
     q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     n, k = w.shape
     return Packed("f8", q, scale.contiguous(), None, k, n, k)

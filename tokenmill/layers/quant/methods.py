@@ -23,13 +23,18 @@ from tokenmill.layers.quant.matmul import DEFAULT_KERNEL_MAX_ROWS, packed_linear
 
 
 def new_param(layer: nn.Module, name: str, tensor: torch.Tensor, output_dim: Optional[int] = 0,
-              output_pack: int = 1) -> nn.Parameter:
+              output_pack: int = 1, input_dim: Optional[int] = None,
+              input_pack: int = 1) -> nn.Parameter:
     """Register a frozen parameter that loads through the layer's ``weight_loader``.
     ``output_dim``: the dim fused shards stack along (None: every shard holds the whole
-    tensor); ``output_pack``: output rows per stored element along that dim."""
+    tensor); ``output_pack``: output rows per stored element along that dim.
+    ``input_dim`` / ``input_pack``: the same for input features (a row-parallel layer
+    splits along it; None: the tensor does not depend on the input features)."""
     param = nn.Parameter(tensor, requires_grad=False)
     param.output_dim = output_dim
     param.output_pack = output_pack
+    param.input_dim = input_dim
+    param.input_pack = input_pack
     param.weight_loader = layer.weight_loader
     layer.register_parameter(name, param)
     layer.quant_param_names.append(name)
@@ -75,7 +80,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def create_weights(self, layer: nn.Module) -> None:
         new_param(layer, "weight", torch.empty(layer.out_features, layer.in_features,
-                                               dtype=layer.params_dtype))
+                                               dtype=layer.params_dtype), input_dim=1)
 
     def apply(self, layer, x, bias):
         if not self.cpu_kernels or x.dim() != 2:
@@ -118,18 +123,27 @@ class OnlineQuantMethod(PackedLinearMethod):
         UnquantizedLinearMethod().create_weights(layer)
 
     def process_weights_after_loading(self, layer):
-        set_packed(layer, [self.quantize(layer.weight.data)])
+        set_packed(layer, [self.quantize(layer.weight.data, layer)])
 
-    def quantize(self, w: torch.Tensor) -> Packed:
+    def quantize(self, w: torch.Tensor, layer: nn.Module) -> Packed:
         raise NotImplementedError
+
+
+def _whole_row_absmax(w: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """max |w| per output row over all input features: a row-parallel rank holds only some
+    of them, so the ranks reduce it and quantize exactly as one process would."""
+    absmax = formats.row_absmax(w)
+    if getattr(layer, "parallel", None) == "row":
+        absmax = layer.tp.all_reduce_max(absmax)
+    return absmax
 
 
 class Int8Method(OnlineQuantMethod):
     """RTN INT8, per-channel symmetric."""
     name = "int8"
 
-    def quantize(self, w):
-        return formats.quantize_int8(w)
+    def quantize(self, w, layer):
+        return formats.quantize_int8(w, _whole_row_absmax(w, layer))
 
 
 class Int4Method(OnlineQuantMethod):
@@ -140,16 +154,23 @@ class Int4Method(OnlineQuantMethod):
         super().__init__(**kw)
         self.group_size = group_size
 
-    def quantize(self, w):
-        return formats.quantize_int4(w, formats.pick_group_size(w.shape[1], self.group_size))
+    def quantize(self, w, layer):
+        # The group is chosen for the whole row, so a row-parallel rank groups as one
+        # process would (its piece must hold whole groups).
+        group = formats.pick_group_size(getattr(layer, "full_in_features", w.shape[1]),
+                                        self.group_size)
+        if w.shape[1] % group:
+            raise ValueError(f"int4 groups of {group} do not fit this rank's {w.shape[1]} input "
+                             "features; use a tensor_parallel_size that keeps whole groups")
+        return formats.quantize_int4(w, group)
 
 
 class FP8Method(OnlineQuantMethod):
     """FP8 E4M3 weights with per-channel scales, emulated (expanded in registers) on CPU."""
     name = "fp8"
 
-    def quantize(self, w):
-        return formats.quantize_fp8(w)
+    def quantize(self, w, layer):
+        return formats.quantize_fp8(w, _whole_row_absmax(w, layer))
 
 
 def set_quant_activations(model: nn.Module, mode: str) -> None:

@@ -28,8 +28,9 @@ class Checkpoint:
     hf_config: dict
     path: str
 
-    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF parameter name, float32 tensor in HF layout), one tensor in memory at a time."""
+    def iter_tensors(self, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF parameter name, float32 tensor in HF layout), one tensor in memory at a time.
+        ``lazy``: LazyTensors where the format can read a slice alone (safetensors)."""
         raise NotImplementedError
 
     def weight_bytes(self) -> int:
@@ -41,8 +42,8 @@ class Checkpoint:
 class HFCheckpoint(Checkpoint):
     files: list[str] = field(default_factory=list)
 
-    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return hf_dir.iter_safetensors(self.files)
+    def iter_tensors(self, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        return hf_dir.iter_safetensors(self.files, lazy=lazy)
 
     def weight_bytes(self) -> int:
         return sum(hf_dir.data_bytes(f) for f in self.files)
@@ -52,7 +53,7 @@ class HFCheckpoint(Checkpoint):
 class GGUFCheckpoint(Checkpoint):
     gguf: GGUFFile = field(default=None, repr=False)  # type: ignore[assignment]
 
-    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_tensors(self, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         # Per-architecture fix-ups (q/k row order, Gemma norm offsets) live in gguf_llama.
         for gguf_name in self.gguf.tensors:
             converted = gguf_llama.hf_tensor(self.gguf, self.hf_config, gguf_name)

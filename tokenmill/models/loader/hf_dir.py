@@ -15,6 +15,8 @@ from typing import Any, Iterator, Optional
 import torch
 from safetensors import safe_open
 
+from tokenmill.models.loader.lazy import LazyTensor
+
 from ...tokenizer import Tokenizer
 from .errors import CheckpointError
 
@@ -117,8 +119,9 @@ def data_bytes(path: str) -> int:
     return size - 8 - header_len
 
 
-def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, float32 tensor) for every tensor of every file; duplicates across shards fail."""
+def iter_safetensors(files: list[str], lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, float32 tensor) for every tensor of every file; duplicates across shards fail.
+    ``lazy``: yield LazyTensors (read when a loader materialises its piece) instead."""
     seen: set[str] = set()
     for path in files:
         data_bytes(path)  # cheap header sanity check before the library maps the file
@@ -128,6 +131,9 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
                     if name in seen:
                         raise CheckpointError(f"{path}: tensor {name!r} appears in more than one shard")
                     seen.add(name)
+                    if lazy:
+                        yield name, _lazy(f.get_slice(name))
+                        continue
                     tensor = f.get_tensor(name)
                     # Integer tensors (GPTQ / AWQ packed weights, g_idx) keep their bits.
                     yield name, tensor.to(torch.float32) if tensor.is_floating_point() else tensor
@@ -135,6 +141,16 @@ def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
             raise
         except Exception as e:  # SafetensorError and friends: bad header, offsets, dtypes
             raise CheckpointError(f"{path}: invalid safetensors file ({e})") from None
+
+
+def _lazy(handle) -> LazyTensor:
+    dtype = getattr(torch, _SAFETENSORS_DTYPES.get(handle.get_dtype(), "float32"))
+    return LazyTensor(handle, tuple(handle.get_shape()), dtype)
+
+
+# safetensors dtype names -> torch names (floats are widened to float32 when read)
+_SAFETENSORS_DTYPES = {"I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32",
+                       "I64": "int64", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn"}
 
 
 def _chat_template(directory: str, tok_config: dict[str, Any]) -> Optional[str]:

@@ -1,4 +1,5 @@
-"""Decode of a whole Llama decoder stack in one C call (layers/cpu_decode.c).
+"""Decode of a whole Llama decoder stack in one C call (layers/cpu_decode.c): a decode
+executor the model runner chooses per step instead of the model's modules.
 
 Eager PyTorch spends several milliseconds per decode step on Python: ~10 module calls and
 ~10 kernel calls per layer. When a step is decode-sized (at most ``cpu_ops.LINEAR_MAX_ROWS``
@@ -8,6 +9,9 @@ activations as the quantized linears would take them; float32 or int8 KV cache; 
 SiLU, RoPE; no sliding window, no q/k norm, no hooks), the layers run back to back in C:
 the same kernels in the same order, so the hidden states are bit-identical to the module
 path. Anything else returns None and the caller runs its modules.
+
+It never runs a tensor-parallel model: its C loop has no all-reduce between the split
+layers, so a rank would return its partial sums as if they were the hidden states.
 """
 from __future__ import annotations
 
@@ -158,6 +162,8 @@ def stack_plan(model: nn.Module) -> Optional[_StackPlan]:
 
 
 def _plain_llama_stack(model: nn.Module) -> bool:
+    if getattr(model, "tp", None) is not None and model.tp.size != 1:
+        return False   # split layers need their all-reduces
     from tokenmill.layers.activation import SiluAndMul
     from tokenmill.layers.norm import RMSNorm
     from tokenmill.layers.rotary import RotaryEmbedding
@@ -179,18 +185,34 @@ def _plain_llama_stack(model: nn.Module) -> bool:
     return _fp32_cpu(a0.rotary.cos) and a0.rotary.cos.is_contiguous() and a0.rotary.sin.is_contiguous()
 
 
+def may_apply(model: nn.Module, num_tokens: int, meta, backend) -> bool:
+    """The cheap checks, before the runner computes the embeddings for this path."""
+    if not (0 < num_tokens <= cpu_ops.LINEAR_MAX_ROWS and getattr(backend, "name", None) == "cpu"
+            and backend.cpu_kernels and cpu_ops.available()):
+        return False
+    from tokenmill.layers.attention.cpu import MAX_BATCHED_QUERY_LEN
+    if meta.max_query_len > MAX_BATCHED_QUERY_LEN:
+        return False   # the module path attends to longer runs with SDPA: not the same numerics
+    return stack_plan(model) is not None
+
+
+def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+            meta, backend) -> Optional[torch.Tensor]:
+    """The model's hidden states [T, hidden] (after the final norm) through the C stack, or
+    None when this step must run the modules."""
+    if not may_apply(model, input_ids.shape[0], meta, backend):
+        return None
+    out = run_layers(model, model.model.embed_tokens(input_ids), positions, kv_caches, meta, backend)
+    return None if out is None else model.model.norm(out)
+
+
 def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                meta, backend) -> Optional[torch.Tensor]:
     """x [T, hidden] embeddings -> the stack's output (before the final norm), or None when
     the fused path does not apply."""
     t = x.shape[0]
-    if not (0 < t <= cpu_ops.LINEAR_MAX_ROWS and getattr(backend, "name", None) == "cpu"
-            and backend.cpu_kernels and cpu_ops.available() and _fp32_cpu(x)
-            and positions.dtype is torch.int64):
+    if not (may_apply(model, t, meta, backend) and _fp32_cpu(x) and positions.dtype is torch.int64):
         return None
-    from tokenmill.layers.attention.cpu import MAX_BATCHED_QUERY_LEN
-    if meta.max_query_len > MAX_BATCHED_QUERY_LEN:
-        return None   # the module path attends to longer runs with SDPA: not the same numerics
     plan = stack_plan(model)
     if plan is None or len(kv_caches) != plan.num_layers or not plan.usable():
         return None

@@ -1,0 +1,212 @@
+"""Executors: between the engine core (scheduler) and the model's ranks.
+
+- ``InProcessExecutor``: tensor_parallel_size 1; the rank lives in the engine's process and
+  is called directly (today's path, no serialization, no overhead).
+- ``MultiprocExecutor``: one spawned process per rank (mp backend) or one Ray actor per
+  rank (ray backend). Each step's SchedulerOutput goes to every rank msgpack-encoded; rank
+  0's ModelRunnerOutput comes back. A rank that dies or fails raises ``WorkerFailedError``
+  in the engine (never a hang): the executor then stops every rank.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import time
+from typing import Optional
+
+from tokenmill.distributed import serial
+from tokenmill.distributed.parallel_state import SINGLE
+from tokenmill.distributed.worker import RankInfo, RankSpec, RankWorker, worker_process_main
+
+logger = logging.getLogger("tokenmill.executor")
+
+
+class WorkerFailedError(RuntimeError):
+    """A tensor-parallel rank died or raised; the engine must stop."""
+
+
+class InProcessExecutor:
+    world_size = 1
+
+    def __init__(self, spec: RankSpec) -> None:
+        self.worker = RankWorker(spec, SINGLE)
+        self.info: list[RankInfo] = [self.worker.load()]
+
+    @property
+    def model(self):
+        return self.worker.model
+
+    @property
+    def runner(self):
+        return self.worker.runner
+
+    def init_cache(self, num_blocks: int, block_size: int) -> None:
+        self.worker.init_cache(num_blocks, block_size)
+
+    def execute(self, so):
+        return self.worker.runner.execute(so)
+
+    def release(self, req_ids) -> None:
+        self.worker.runner.release(req_ids)
+
+    def memory(self) -> list[dict]:
+        return [self.worker.memory()]
+
+    def check_alive(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class MultiprocExecutor:
+    """``spec`` describes rank 0; ranks 1.. are copies with their own rank. Threads per
+    rank: ``num_threads`` (all cores by default) split evenly."""
+
+    POLL_S = 0.5
+
+    def __init__(self, spec: RankSpec, world_size: int, num_threads: int,
+                 load_timeout_s: float = 1800.0) -> None:
+        self.world_size = world_size
+        port = spec.master_port or free_port(spec.master_addr)
+        ctx = multiprocessing.get_context("spawn")
+        self.procs, self.conns = [], []
+        self._pending: dict[int, list] = {rank: [] for rank in range(world_size)}
+        self._stopped = False
+        try:
+            for rank in range(world_size):
+                rank_spec = RankSpec(**{**_fields(spec), "rank": rank, "world_size": world_size,
+                                        "master_port": port,
+                                        "num_threads": max(1, num_threads // world_size)})
+                parent, child = ctx.Pipe(duplex=True)
+                proc = ctx.Process(target=worker_process_main, args=(serial.encode(rank_spec), child),
+                                   name=f"tokenmill-tp{rank}", daemon=True)
+                proc.start()
+                child.close()
+                self.procs.append(proc)
+                self.conns.append(parent)
+            self.info: list[RankInfo] = [self._reply(rank, load_timeout_s)
+                                         for rank in range(world_size)]
+        except BaseException:
+            self.shutdown()
+            raise
+
+    model = None    # the weights live in the workers
+    runner = None
+
+    # -- calls ----------------------------------------------------------------------------
+    def init_cache(self, num_blocks: int, block_size: int) -> None:
+        self._all("init_cache", (num_blocks, block_size))
+
+    def execute(self, so):
+        self._send_all("execute", so)
+        return self._reply(0)
+
+    def release(self, req_ids) -> None:
+        self._send_all("release", sorted(req_ids))
+
+    def memory(self) -> list[dict]:
+        return self._all("memory", None)
+
+    def check_alive(self) -> None:
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                self._fail(f"tensor-parallel worker rank {rank} exited (code {proc.exitcode})")
+
+    # -- transport ------------------------------------------------------------------------
+    def _all(self, kind: str, payload) -> list:
+        self._send_all(kind, payload)
+        return [self._reply(rank) for rank in range(self.world_size)]
+
+    def _send_all(self, kind: str, payload) -> None:
+        if self._stopped:
+            raise WorkerFailedError("the tensor-parallel workers have stopped")
+        data = serial.encode((kind, payload))
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(data)
+            except (BrokenPipeError, ConnectionError, OSError):
+                self._fail(f"tensor-parallel worker rank {rank} is gone")
+
+    def _reply(self, rank: int, timeout_s: Optional[float] = None):
+        """Rank ``rank``'s next reply; meanwhile any rank's death or error fails the call."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self._pending[rank]:
+            ready = multiprocessing.connection.wait(self.conns, timeout=self.POLL_S)
+            for conn in ready:   # every rank's replies are read as they come: errors first
+                r = self.conns.index(conn)
+                status, value = self._read(r)
+                if status == "error":
+                    self._fail(value)
+                self._pending[r].append(value)
+            if self._pending[rank]:
+                break
+            self.check_alive()
+            if deadline is not None and time.monotonic() > deadline:
+                self._fail(f"tensor-parallel worker rank {rank} did not answer in {timeout_s:.0f} s")
+        return self._pending[rank].pop(0)
+
+    def _read(self, rank: int):
+        try:
+            return serial.decode(self.conns[rank].recv_bytes())
+        except (EOFError, ConnectionError, OSError):
+            proc = self.procs[rank]
+            proc.join(1.0)
+            self._fail(f"tensor-parallel worker rank {rank} exited (code {proc.exitcode})")
+
+    def _fail(self, message: str):
+        logger.error("%s; stopping every rank", message)
+        self.shutdown()
+        raise WorkerFailedError(message)
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop every rank and reap it: no child process outlives the executor."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for conn in self.conns:
+            try:
+                conn.send_bytes(serial.encode(("stop", None)))
+            except Exception:
+                pass
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        for conn in self.conns:
+            conn.close()
+
+
+def _fields(spec: RankSpec) -> dict:
+    return {name: getattr(spec, name) for name in spec.__dataclass_fields__}
+
+
+def make_executor(spec: RankSpec, parallel, num_threads: int):
+    """The executor for ``parallel.tensor_parallel_size`` ranks."""
+    if parallel.tensor_parallel_size == 1:
+        return InProcessExecutor(spec)
+    if parallel.distributed_executor_backend == "ray":
+        from tokenmill.distributed.ray_executor import RayExecutor
+        return RayExecutor(spec, parallel, num_threads)
+    return MultiprocExecutor(spec, parallel.tensor_parallel_size, num_threads)
+
+
+def default_num_threads(num_threads: Optional[int]) -> int:
+    if num_threads is not None:
+        return num_threads
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1

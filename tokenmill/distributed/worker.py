@@ -1,0 +1,164 @@
+"""One rank of a model: its shard of the weights, its KV heads, its ModelRunner.
+
+``RankWorker`` is the same object in-process (tensor_parallel_size 1, no process group) and
+inside a spawned worker process (``worker_process_main``) or a Ray actor, where it answers
+msgpack messages: every rank executes every step (the layers' collectives pair them up),
+and every rank samples the same tokens from the same gathered logits, so each keeps its own
+request state in step; only rank 0's output goes back to the engine.
+"""
+from __future__ import annotations
+
+import logging
+import traceback
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from tokenmill.distributed import serial
+from tokenmill.distributed.parallel_state import TPGroup, destroy_tp_group, init_tp_group
+
+logger = logging.getLogger("tokenmill.worker")
+
+
+@serial.register
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank needs to build its part of the model (sent msgpack-encoded)."""
+
+    model_path: str
+    dtype: str                    # torch dtype name, resolved by the engine
+    kv_dtype: str
+    max_model_len: int
+    quantization: Optional[str]
+    quant_activations: str
+    cpu_weight_prepack: bool
+    cpu_kernels: bool
+    attention_backend: str
+    torch_compile: bool
+    seed: int
+    rank: int = 0
+    world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    num_threads: int = 1
+    collective_timeout_s: float = 120.0
+
+
+@serial.register
+@dataclass(frozen=True)
+class RankInfo:
+    """What a loaded rank reports back."""
+
+    rank: int
+    vocab_size: int
+    num_layers: int
+    head_dim: int
+    num_kv_heads: int             # this rank's (its KV cache holds only these)
+    weight_bytes: int             # parameters + buffers of this rank's shard
+    prepacked_bytes: int
+    quantization_method: str
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+class RankWorker:
+    def __init__(self, spec: RankSpec, tp: TPGroup) -> None:
+        self.spec, self.tp = spec, tp
+        self.device = _rank_device(spec.rank)
+        self.model = None
+        self.runner = None
+
+    def load(self) -> RankInfo:
+        from tokenmill.engine.stats import module_bytes
+        from tokenmill.layers import native
+        from tokenmill.models.loader import open_checkpoint
+        from tokenmill.runner.model_loader import build_model
+        s = self.spec
+        torch.manual_seed(s.seed)
+        if self.device.type == "cpu":
+            native.build()
+        self.model = build_model(open_checkpoint(s.model_path), self.device, _dtype(s.dtype),
+                                 s.max_model_len, quantization=s.quantization,
+                                 quant_activations=s.quant_activations,
+                                 cpu_weight_prepack=s.cpu_weight_prepack,
+                                 cpu_kernels=s.cpu_kernels, tp=self.tp)
+        a = self.model.args
+        return RankInfo(rank=s.rank, vocab_size=a.vocab_size, num_layers=a.num_hidden_layers,
+                        head_dim=a.head_dim, num_kv_heads=self.model.num_kv_heads,
+                        weight_bytes=module_bytes(self.model),
+                        prepacked_bytes=self.model.prepacked_bytes,
+                        quantization_method=self.model.quantization_method)
+
+    def init_cache(self, num_blocks: int, block_size: int) -> None:
+        from tokenmill.runner.model_runner import ModelRunner
+        s = self.spec
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.device,
+                                  _dtype(s.kv_dtype), s.attention_backend, seed=s.seed,
+                                  torch_compile=s.torch_compile, cpu_kernels=s.cpu_kernels)
+
+    def memory(self) -> dict:
+        from tokenmill.engine.stats import module_bytes
+        from tokenmill.runner.kv_tensors import kv_cache_nbytes
+        return {"rank": self.spec.rank, "model_weights": module_bytes(self.model),
+                "prepacked_weights": self.model.prepacked_bytes,
+                "kv_cache": kv_cache_nbytes(self.runner.kv_caches) if self.runner else 0}
+
+    def handle(self, kind: str, payload):
+        """One request from the engine -> the reply (None: nothing to send back)."""
+        if kind == "execute":
+            out = self.runner.execute(payload)
+            return out if self.spec.rank == 0 else None
+        if kind == "release":
+            self.runner.release(payload)
+            return None
+        if kind == "init_cache":
+            self.init_cache(*payload)
+            return True
+        if kind == "memory":
+            return self.memory()
+        if kind == "ping":
+            return self.spec.rank
+        raise ValueError(f"unknown worker request {kind!r}")
+
+
+def _rank_device(rank: int) -> torch.device:
+    from tokenmill.platform import pick_device
+    device = pick_device()
+    if device.type == "cuda":
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return device
+
+
+# Replies: ("ok", value) or ("error", message). Requests: (kind, payload).
+def worker_process_main(spec_bytes: bytes, conn) -> None:
+    """Entry point of a spawned tensor-parallel worker process."""
+    spec: RankSpec = serial.decode(spec_bytes)
+    torch.set_num_threads(spec.num_threads)
+    tp = None
+    try:
+        tp = init_tp_group(spec.rank, spec.world_size, spec.master_addr, spec.master_port,
+                           _rank_device(spec.rank), spec.collective_timeout_s)
+        worker = RankWorker(spec, tp)
+        conn.send_bytes(serial.encode(("ok", worker.load())))
+        while True:
+            kind, payload = serial.decode(conn.recv_bytes())
+            if kind == "stop":
+                break
+            reply = worker.handle(kind, payload)
+            if reply is not None or kind != "execute" and kind != "release":
+                conn.send_bytes(serial.encode(("ok", reply)))
+    except (EOFError, KeyboardInterrupt):
+        pass   # the engine went away: exit quietly
+    except BaseException as e:
+        message = f"rank {spec.rank}: {type(e).__name__}: {e}"
+        logger.error("tensor-parallel worker failed\n%s", traceback.format_exc())
+        try:
+            conn.send_bytes(serial.encode(("error", message)))
+        except Exception:
+            pass
+    finally:
+        if tp is not None:
+            destroy_tp_group(tp)
