@@ -15,6 +15,7 @@ from tokenmill.distributed.worker import RankSpec
 from tokenmill.engine.stats import EngineStats, free_memory_bytes
 from tokenmill.kv.kv_cache_manager import PrefixCacheStats
 from tokenmill.models.hub import resolve_model
+from tokenmill.models.llama import check_tensor_parallel
 from tokenmill.models.loader import load_tokenizer, open_checkpoint
 from tokenmill.outputs import RequestOutput
 from tokenmill.platform import pick_device, resolve_dtype, set_num_threads
@@ -40,6 +41,7 @@ class LLMEngine:
         checkpoint = open_checkpoint(self.model_path)
         hf = checkpoint.hf_config
         self.max_model_len = _decide_max_model_len(mc.max_model_len, hf)
+        check_tensor_parallel(hf, pc.tensor_parallel_size)   # before any rank process starts
         self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(self.model_path)
         torch.manual_seed(mc.seed)
         self.kv_dtype = kv_storage_dtype(cc.kv_cache_dtype, self.dtype)

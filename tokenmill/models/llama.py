@@ -122,6 +122,17 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 
+def check_tensor_parallel(hf_config: dict, tp_size: int) -> None:
+    """Fail before any rank starts when the heads or FFN features do not split over
+    ``tp_size`` ranks (the same rules the layers apply)."""
+    if tp_size == 1:
+        return
+    heads = hf_config["num_attention_heads"]
+    split_evenly(heads, tp_size, "attention heads")
+    kv_heads_per_rank(hf_config.get("num_key_value_heads") or heads, TPGroup(0, tp_size, object()))
+    split_evenly(hf_config["intermediate_size"], tp_size, "FFN features")
+
+
 def kv_heads_per_rank(num_kv_heads: int, tp: TPGroup) -> tuple[int, Optional[tuple[int, int]]]:
     """(KV heads this rank holds, (parts, this rank's part) when heads are replicated):
     with more ranks than KV heads each rank keeps one head, shared by tp / num_kv_heads
