@@ -46,7 +46,7 @@ def snapshot_counters(engine, cursor: SnapshotCursor) -> EngineSnapshot:
     sched, stats = engine.scheduler, engine.stats
     new_queue_times = tuple(stats.queue_times.since(cursor.num_queue_times_seen))
     cursor.num_queue_times_seen = stats.queue_times.count
-    spec, spec_counters, new_spec = engine.runner.spec, None, ()
+    spec, spec_counters, new_spec = engine.spec_decoder, None, ()
     if spec is not None:
         spec_counters = spec.stats.counters()
         new_spec = tuple(spec.stats.finished_since(cursor.num_spec_seen))
@@ -119,7 +119,7 @@ def dashboard_view(engine) -> dict:
                "num_free": cells.count("f"), "usage": kv.usage, "map": cells},
         "spec": None,
     }
-    spec = engine.runner.spec
+    spec = engine.spec_decoder
     if spec is not None:
         view["spec"] = _spec_view(spec.config.method, spec.k_max, spec.stats.counters())
     return view
@@ -163,7 +163,7 @@ def merge_dashboard_views(views: list[dict]) -> dict:
 def request_spec_stats(engine, request_id: str) -> Optional[dict]:
     """A recent or running request's speculative counters; None when the engine does not
     speculate or no longer remembers the request."""
-    spec = engine.runner.spec
+    spec = engine.spec_decoder
     if spec is None:
         return None
     for r in spec.stats.requests():
