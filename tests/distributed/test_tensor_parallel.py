@@ -17,12 +17,12 @@ from tests.entrypoints.openai.conftest import smollm2_path  # noqa: F401 (fixtur
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [3, 3, 8], [12, 40, 11, 6, 6, 1, 30, 22, 19, 4, 5]]
 
 
-def make_engine(model, tp, quantization=None, **cache):
+def make_engine(model, tp, quantization=None, shm_collectives=True):
     cfg = EngineConfig(model=ModelConfig(model=model, skip_tokenizer_init=True,
                                          quantization=quantization),
-                       cache=CacheConfig(block_size=4, num_kv_blocks=cache.pop("num_kv_blocks", 64),
-                                         **cache),
-                       parallel=ParallelConfig(tensor_parallel_size=tp))
+                       cache=CacheConfig(block_size=4, num_kv_blocks=64),
+                       parallel=ParallelConfig(tensor_parallel_size=tp,
+                                               shm_collectives=shm_collectives))
     return LLMEngine(cfg)
 
 
@@ -52,10 +52,10 @@ def same_outputs(a: dict, b: dict, atol=1e-4) -> None:
         np.testing.assert_allclose(a[key][1], b[key][1], atol=atol, rtol=0)
 
 
-def tp_vs_single(model, tp, quantization=None):
+def tp_vs_single(model, tp, quantization=None, shm_collectives=True):
     single = make_engine(model, 1, quantization)
     expected = run(single)
-    split = make_engine(model, tp, quantization)
+    split = make_engine(model, tp, quantization, shm_collectives)
     try:
         got = run(split)
         memory = split.get_memory_stats()
@@ -74,9 +74,12 @@ def tied_llama_dir(tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "int4-g32"])
-def test_tp2_matches_one_process(tied_llama_dir, quantization):
-    single, memory = tp_vs_single(tied_llama_dir, 2, quantization)
+@pytest.mark.parametrize("quantization,shm", [(None, True), (None, False), ("int8", True),
+                                              ("int4-g32", True)],
+                         ids=["float", "float-gloo", "int8", "int4-g32"])
+def test_tp2_matches_one_process(tied_llama_dir, quantization, shm):
+    """shm: small collectives through shared memory; False: all of them over gloo."""
+    single, memory = tp_vs_single(tied_llama_dir, 2, quantization, shm)
     ranks = memory["ranks"]
     assert [r["rank"] for r in ranks] == [0, 1] and memory["tensor_parallel_size"] == 2
     one_rank_kv = single.get_memory_stats()["kv_cache"]

@@ -22,6 +22,9 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Optional[object] = None       # torch ProcessGroup; None when size == 1
+    # Shared-memory collectives of ranks on one CPU host (distributed/shm_comm.py); the
+    # process group serves what does not fit, and everything when None.
+    shm: Optional[object] = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -38,6 +41,8 @@ class TPGroup:
         if self.size == 1:
             return x
         x = x.contiguous()
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_reduce(x)
         dist.all_reduce(x, group=self.group)
         return x
 
@@ -45,6 +50,8 @@ class TPGroup:
         if self.size == 1:
             return x
         x = x.contiguous()
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_reduce_max(x)
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
         return x
 
@@ -53,6 +60,8 @@ class TPGroup:
         if self.size == 1:
             return x
         x = x.contiguous()
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_gather(x, dim)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=dim)
@@ -75,18 +84,27 @@ SINGLE = TPGroup()
 
 
 def init_tp_group(rank: int, size: int, master_addr: str, master_port: int,
-                  device: torch.device, timeout_s: float) -> TPGroup:
-    """Join the ``size``-rank group rendezvousing at master_addr:master_port (TCP store)."""
+                  device: torch.device, timeout_s: float, shm_collectives: bool = True) -> TPGroup:
+    """Join the ``size``-rank group rendezvousing at master_addr:master_port (TCP store).
+    ``shm_collectives``: CPU ranks (all on one host: the executors place them so) also
+    share a memory segment for small collectives."""
     if size == 1:
         return SINGLE
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                             rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    return TPGroup(rank, size, dist.group.WORLD)
+    shm = None
+    if shm_collectives and device.type == "cpu":
+        from tokenmill.distributed.shm_comm import open_shm_communicator
+        shm = open_shm_communicator(rank, size, f"tokenmill_tp_{master_port}", dist.group.WORLD,
+                                    timeout_s)
+    return TPGroup(rank, size, dist.group.WORLD, shm)
 
 
 def destroy_tp_group(group: TPGroup) -> None:
+    if group.shm is not None:
+        group.shm.close()
     if group.size > 1 and dist.is_initialized():
         dist.destroy_process_group()
 

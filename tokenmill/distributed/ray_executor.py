@@ -35,7 +35,7 @@ class RankActor:
         from tokenmill.distributed.worker import RankWorker, _rank_device
         s = self.spec
         tp = init_tp_group(s.rank, s.world_size, addr, port, _rank_device(s.rank),
-                           s.collective_timeout_s)
+                           s.collective_timeout_s, s.shm_collectives)
         self.worker = RankWorker(s, tp)
         return serial.encode(self.worker.load())
 
@@ -60,11 +60,23 @@ class RayExecutor:
         size = parallel.tensor_parallel_size
         self.world_size = size
         threads = max(1, num_threads // size)
-        actor_cls = ray.remote(num_cpus=threads)(RankActor)
-        self.actors = [actor_cls.options(name=None).remote(serial.encode(RankSpec(
-            **{**_fields(spec), "rank": r, "world_size": size, "num_threads": threads})))
-            for r in range(size)]
+        # Tensor parallelism stays inside one node (its collectives run per layer): the ranks'
+        # CPU bundles are packed onto a single node of the cluster.
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        self.placement = ray.util.placement_group([{"CPU": threads}] * size, strategy="STRICT_PACK")
         self._stopped = False
+        self.actors = []
+        try:
+            ray.get(self.placement.ready(), timeout=parallel.collective_timeout_s)
+        except Exception:
+            self.shutdown()
+            raise WorkerFailedError(f"the Ray cluster has no node with {size * threads} free CPUs "
+                                    f"for {size} tensor-parallel ranks") from None
+        actor_cls = ray.remote(num_cpus=threads)(RankActor)
+        self.actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            self.placement, placement_group_bundle_index=r)).remote(serial.encode(RankSpec(
+                **{**_fields(spec), "rank": r, "world_size": size, "num_threads": threads})))
+            for r in range(size)]
         try:
             addr, port = self._get([self.actors[0].rendezvous.remote()])[0]
             infos = self._get([a.load.remote(addr, port) for a in self.actors])
@@ -112,3 +124,7 @@ class RayExecutor:
                 ray.kill(actor)
             except Exception:
                 pass
+        try:
+            ray.util.remove_placement_group(self.placement)
+        except Exception:
+            pass

@@ -43,6 +43,7 @@ class RankSpec:
     master_port: int = 0
     num_threads: int = 1
     collective_timeout_s: float = 120.0
+    shm_collectives: bool = True
 
 
 @serial.register
@@ -140,7 +141,8 @@ def worker_process_main(spec_bytes: bytes, conn) -> None:
     tp = None
     try:
         tp = init_tp_group(spec.rank, spec.world_size, spec.master_addr, spec.master_port,
-                           _rank_device(spec.rank), spec.collective_timeout_s)
+                           _rank_device(spec.rank), spec.collective_timeout_s,
+                           spec.shm_collectives)
         worker = RankWorker(spec, tp)
         conn.send_bytes(serial.encode(("ok", worker.load())))
         while True:

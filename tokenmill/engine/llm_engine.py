@@ -84,7 +84,8 @@ class LLMEngine:
             cpu_weight_prepack=mc.cpu_weight_prepack, cpu_kernels=mc.cpu_kernels,
             attention_backend=mc.attention_backend, torch_compile=mc.torch_compile, seed=mc.seed,
             master_addr=pc.master_addr, master_port=pc.master_port,
-            num_threads=self.num_threads, collective_timeout_s=pc.collective_timeout_s)
+            num_threads=self.num_threads, collective_timeout_s=pc.collective_timeout_s,
+            shm_collectives=pc.shm_collectives)
 
     @property
     def model(self):

@@ -4,3 +4,4 @@
 #include "cpu_attention.c"
 #include "quant/qmm.c"
 #include "cpu_decode.c"
+#include "cpu_sync.c"

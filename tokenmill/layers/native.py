@@ -212,7 +212,7 @@ def status() -> dict:
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Set the C signatures of every entry point (cpu_ops.c, cpu_attention.c, qmm.c,
-    qgemm.c, cpu_decode.c)."""
+    qgemm.c, cpu_decode.c, cpu_sync.c)."""
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     signatures = {
         "tm_rms_norm": ([p, p, p, f32, i64, i64, p, i32], None),
@@ -228,6 +228,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "tm_quantize_q8": ([p, i64, i64, p, p], None),
         "tm_dequant": ([p, p, p, i64, i64, i64, i32, p, i32], None),
         "tm_qgemm_q8": ([p, i64, i64, i32, p, p, p, i64, i64, p, i32], i32),
+        "tm_shm_barrier": ([p, i32, i32, i64, ctypes.c_double], i32),
     }
     for name, (argtypes, restype) in signatures.items():
         fn = getattr(lib, name)
