@@ -17,10 +17,10 @@ from tests.entrypoints.openai.conftest import smollm2_path  # noqa: F401 (fixtur
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [3, 3, 8], [12, 40, 11, 6, 6, 1, 30, 22, 19, 4, 5]]
 
 
-def make_engine(model, tp, quantization=None, shm_collectives=True):
+def make_engine(model, tp, quantization=None, shm_collectives=True, num_kv_blocks=64):
     cfg = EngineConfig(model=ModelConfig(model=model, skip_tokenizer_init=True,
                                          quantization=quantization),
-                       cache=CacheConfig(block_size=4, num_kv_blocks=64),
+                       cache=CacheConfig(block_size=4, num_kv_blocks=num_kv_blocks),
                        parallel=ParallelConfig(tensor_parallel_size=tp,
                                                shm_collectives=shm_collectives))
     return LLMEngine(cfg)
@@ -85,6 +85,18 @@ def test_tp2_matches_one_process(tied_llama_dir, quantization, shm):
     one_rank_kv = single.get_memory_stats()["kv_cache"]
     assert all(r["kv_cache"] * 2 == one_rank_kv for r in ranks)   # 1 of 2 KV heads each
     assert memory["kv_cache"] == one_rank_kv
+
+
+def test_tp2_under_preemption_matches_one_process(tied_llama_dir):
+    """A pool of 10 blocks for 6 requests: the scheduler preempts and recomputes; every rank
+    drops and rebuilds the same request state."""
+    expected = run(make_engine(tied_llama_dir, 1, num_kv_blocks=10))
+    split = make_engine(tied_llama_dir, 2, num_kv_blocks=10)
+    try:
+        same_outputs(expected, run(split))
+        assert split.scheduler.num_preemptions > 0
+    finally:
+        split.shutdown()
 
 
 def test_tp2_packed_gguf_matches_one_process(tmp_path):
