@@ -6,7 +6,7 @@ import multiprocessing
 import pytest
 import torch
 
-from tokenmill.distributed.executor import free_port
+from tokenmill.distributed.parallel_state import free_port
 from tokenmill.layers import native
 
 pytestmark = [pytest.mark.distributed,

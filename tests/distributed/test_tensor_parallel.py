@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from tokenmill.distributed.executor import WorkerFailedError
+from tokenmill.runner.executor import WorkerFailedError
 from tokenmill.distributed.parallel_state import TPGroup
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams

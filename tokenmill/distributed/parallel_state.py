@@ -10,6 +10,7 @@ the same gathered logits.
 from __future__ import annotations
 
 import datetime
+import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -114,3 +115,10 @@ def split_evenly(total: int, size: int, what: str) -> int:
     if total % size:
         raise ValueError(f"tensor_parallel_size {size} does not divide the {total} {what}")
     return total // size
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on ``host`` now (the rendezvous binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

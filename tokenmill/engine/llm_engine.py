@@ -10,8 +10,8 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import Processor, PromptType
-from tokenmill.distributed.executor import make_executor
-from tokenmill.distributed.worker import RankSpec
+from tokenmill.runner.executor import make_executor
+from tokenmill.runner.worker import RankSpec
 from tokenmill.engine.stats import EngineStats, free_memory_bytes
 from tokenmill.kv.kv_cache_manager import PrefixCacheStats
 from tokenmill.models.hub import resolve_model
