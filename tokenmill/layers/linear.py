@@ -27,7 +27,7 @@ from torch import nn
 
 from tokenmill.distributed.parallel_state import SINGLE, TPGroup
 from tokenmill.layers.quant.methods import LinearMethod, UnquantizedLinearMethod
-from tokenmill.models.loader.lazy import materialize
+from tokenmill.layers.lazy import materialize
 
 
 def _check_shape(name: str, expected: torch.Size, got: torch.Size) -> None:

@@ -11,7 +11,7 @@ from torch import nn
 
 from tokenmill.distributed.parallel_state import SINGLE, TPGroup
 from tokenmill.layers.linear import _narrow_padded
-from tokenmill.models.loader.lazy import materialize
+from tokenmill.layers.lazy import materialize
 
 
 class VocabParallelEmbedding(nn.Embedding):

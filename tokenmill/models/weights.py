@@ -9,7 +9,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from tokenmill.models.loader.lazy import LazyTensor, materialize
+from tokenmill.layers.lazy import LazyTensor, materialize
 
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

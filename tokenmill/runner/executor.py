@@ -13,13 +13,12 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import socket
 import time
 from typing import Optional
 
 from tokenmill.distributed import serial
-from tokenmill.distributed.parallel_state import SINGLE
-from tokenmill.distributed.worker import RankInfo, RankSpec, RankWorker, worker_process_main
+from tokenmill.distributed.parallel_state import SINGLE, free_port
+from tokenmill.runner.worker import RankInfo, RankSpec, RankWorker, worker_process_main
 
 logger = logging.getLogger("tokenmill.executor")
 
@@ -60,12 +59,6 @@ class InProcessExecutor:
 
     def shutdown(self) -> None:
         pass
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class MultiprocExecutor:
@@ -198,7 +191,7 @@ def make_executor(spec: RankSpec, parallel, num_threads: int):
     if parallel.tensor_parallel_size == 1:
         return InProcessExecutor(spec)
     if parallel.distributed_executor_backend == "ray":
-        from tokenmill.distributed.ray_executor import RayExecutor
+        from tokenmill.runner.ray_executor import RayExecutor
         return RayExecutor(spec, parallel, num_threads)
     return MultiprocExecutor(spec, parallel.tensor_parallel_size, num_threads)
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 
 from tokenmill.distributed import serial
-from tokenmill.distributed.executor import WorkerFailedError, _fields, free_port
-from tokenmill.distributed.worker import RankSpec
+from tokenmill.distributed.parallel_state import free_port
+from tokenmill.runner.executor import WorkerFailedError, _fields
+from tokenmill.runner.worker import RankSpec
 
 logger = logging.getLogger("tokenmill.ray_executor")
 
@@ -32,7 +33,7 @@ class RankActor:
 
     def load(self, addr: str, port: int) -> bytes:
         from tokenmill.distributed.parallel_state import init_tp_group
-        from tokenmill.distributed.worker import RankWorker, _rank_device
+        from tokenmill.runner.worker import RankWorker, _rank_device
         s = self.spec
         tp = init_tp_group(s.rank, s.world_size, addr, port, _rank_device(s.rank),
                            s.collective_timeout_s, s.shm_collectives)

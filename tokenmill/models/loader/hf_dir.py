@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional
 import torch
 from safetensors import safe_open
 
-from tokenmill.models.loader.lazy import LazyTensor
+from tokenmill.layers.lazy import LazyTensor
 
 from ...tokenizer import Tokenizer
 from .errors import CheckpointError
