@@ -214,3 +214,29 @@ def test_tp2_over_ray_actors_matches_one_process(tied_llama_dir):
     finally:
         engine.shutdown()
         ray.shutdown()
+
+
+def test_lazy_gguf_pieces_equal_slices_of_the_eager_tensors(tmp_path):
+    """A rank's narrowed GGUF tensor (rows, block-aligned columns, q/k heads un-permuted,
+    unaligned columns too) holds exactly the eager tensor's values there."""
+    pytest.importorskip("gguf")
+    from tests.models.test_gguf_reader import write_tiny_llama
+    from tokenmill.layers.lazy import LazyTensor, materialize
+    from tokenmill.models.loader import open_checkpoint
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path, np.random.default_rng(5))
+    ckpt = open_checkpoint(str(path))
+    eager = dict(ckpt.iter_tensors())
+    checked = 0
+    for name, lazy in ckpt.iter_tensors(lazy=True):
+        full = eager[name]
+        if not isinstance(lazy, LazyTensor):
+            assert torch.equal(lazy, full)
+            continue
+        rows, cols = full.shape
+        for dim, start, length in [(0, rows // 2, rows // 2), (1, cols // 2, cols // 2),
+                                   (0, 16, 16), (0, 3, 10), (1, 5, 7)]:
+            assert torch.equal(materialize(lazy.narrow(dim, start, length)),
+                               full.narrow(dim, start, length)), (name, dim, start, length)
+        checked += 1
+    assert checked >= 10

@@ -1,18 +1,29 @@
 """Checkpoint tensors read on demand: a tensor-parallel rank narrows a lazy tensor to its
 piece before anything is read, so no rank materialises a whole weight it splits.
 
-``LazyTensor`` wraps a safetensors slice handle; ``narrow`` only records the range, and
-``materialize`` reads that range (floats widened to float32, as eager loading does). Plain
-tensors pass through ``materialize`` unchanged, so loaders accept either.
+``LazyTensor`` wraps a reader of index ranges (a safetensors slice handle, GGUF rows and
+blocks); ``narrow`` only records the range, and ``materialize`` reads that range (floats
+widened to float32, as eager loading does). Plain tensors pass through ``materialize``
+unchanged, so loaders accept either.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 
+def safetensors_reader(handle) -> Callable:
+    """ranges -> tensor, for a safetensors PySafeSlice (its file must stay open)."""
+    def read(ranges: tuple) -> torch.Tensor:
+        index = tuple(slice(s, s + n) for s, n in ranges)
+        return handle[index] if index else handle[:]
+    return read
+
+
 class LazyTensor:
-    def __init__(self, source, shape: tuple, dtype: torch.dtype, ranges=None) -> None:
-        self._source = source            # safetensors PySafeSlice (its file stays open)
+    def __init__(self, read: Callable, shape: tuple, dtype: torch.dtype, ranges=None) -> None:
+        self._read = read                # ((start, length) per dim) -> tensor
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self._ranges = ranges or tuple((0, n) for n in shape)   # per dim: (start, length)
@@ -29,14 +40,13 @@ class LazyTensor:
         ranges[dim] = (base + start, length)
         shape = list(self.shape)
         shape[dim] = length
-        return LazyTensor(self._source, tuple(shape), self.dtype, tuple(ranges))
+        return LazyTensor(self._read, tuple(shape), self.dtype, tuple(ranges))
 
     def to(self, dtype: torch.dtype) -> torch.Tensor:
         return materialize(self).to(dtype)
 
     def materialize(self) -> torch.Tensor:
-        index = tuple(slice(s, s + n) for s, n in self._ranges)
-        tensor = self._source[index] if index else self._source[:]
+        tensor = self._read(self._ranges)
         return tensor.to(torch.float32) if tensor.is_floating_point() else tensor
 
 

@@ -164,5 +164,5 @@ def checkpoint_tensors(checkpoint, spec: QuantSpec, plan: PackPlan, lazy: bool =
     ``lazy``: safetensors come as LazyTensors that loaders narrow before reading."""
     if spec.method == "gguf" and plan:
         from tokenmill.layers.quant import gguf
-        return gguf.iter_tensors(checkpoint, plan)
+        return gguf.iter_tensors(checkpoint, plan, lazy=lazy)
     return checkpoint.iter_tensors(lazy=lazy)

@@ -46,16 +46,21 @@ def repack(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> dict[str,
     return {"qweight": blocks[:, :, 4:].reshape(n, k // 2), "scales": d, "mins": f16(2)}
 
 
-def iter_tensors(checkpoint, plan: dict[str, tuple[list[str], bool]]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(checkpoint, plan: dict[str, tuple[list[str], bool]],
+                 lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Like ``checkpoint.iter_tensors()``, but each weight named in ``plan`` comes packed:
     ``{prefix}.qweight`` / ``.scales`` / ``.mins`` for every target prefix, plus the float
-    tensor when something (a tied embedding) still needs it."""
+    tensor when something (a tied embedding) still needs it (lazy: as a LazyTensor)."""
     gguf, cfg = checkpoint.gguf, checkpoint.hf_config
     arch = gguf_llama.architecture(gguf)
     for gguf_name, info in gguf.tensors.items():
         name = gguf_llama.hf_name(gguf_name, arch)
         targets, also_float = plan.get(name, ([], True))
-        if also_float:
+        if also_float and lazy:
+            converted = gguf_llama.lazy_hf_tensor(gguf, cfg, gguf_name)
+            if converted is not None:
+                yield converted
+        elif also_float:
             converted = gguf_llama.hf_tensor(gguf, cfg, gguf_name)
             if converted is not None:
                 yield converted[0], torch.from_numpy(converted[1])

@@ -56,6 +56,11 @@ class GGUFCheckpoint(Checkpoint):
     def iter_tensors(self, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         # Per-architecture fix-ups (q/k row order, Gemma norm offsets) live in gguf_llama.
         for gguf_name in self.gguf.tensors:
+            if lazy:
+                converted = gguf_llama.lazy_hf_tensor(self.gguf, self.hf_config, gguf_name)
+                if converted is not None:
+                    yield converted
+                continue
             converted = gguf_llama.hf_tensor(self.gguf, self.hf_config, gguf_name)
             if converted is not None:
                 yield converted[0], torch.from_numpy(converted[1])

@@ -105,6 +105,51 @@ def hf_tensor(gguf: GGUFFile, cfg: dict[str, Any], gguf_name: str) -> Optional[t
     return name, values
 
 
+def lazy_hf_tensor(gguf: GGUFFile, cfg: dict[str, Any], gguf_name: str):
+    """Like ``hf_tensor`` but a LazyTensor for 2-D weights: a tensor-parallel rank that
+    narrows it dequantizes only its rows (GGUF rows are contiguous) and, at block
+    boundaries, its columns. None if HF has no such parameter."""
+    import torch
+    from tokenmill.layers.lazy import LazyTensor
+    info = gguf.tensors[gguf_name]
+    name = hf_name(gguf_name, architecture(gguf))
+    if name is None or len(info.shape) != 2 or gguf_name.endswith("norm.weight"):
+        converted = hf_tensor(gguf, cfg, gguf_name)
+        return None if converted is None else (converted[0], torch.from_numpy(converted[1]))
+    kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+    heads = None
+    if ARCHS[architecture(gguf)].permuted_qk and kind in ("attn_q", "attn_k"):
+        heads = cfg["num_attention_heads"] if kind == "attn_q" else cfg["num_key_value_heads"]
+    return name, LazyTensor(_gguf_reader(gguf, cfg, gguf_name, heads), info.shape, torch.float32)
+
+
+def _gguf_reader(gguf: GGUFFile, cfg: dict[str, Any], gguf_name: str, heads: Optional[int]):
+    import torch
+    from tokenmill.models.loader.gguf_quants import dequantize, ggml_type
+    info = gguf.tensors[gguf_name]
+    rows, cols = info.shape
+    t = ggml_type(info.type_id)
+    row_bytes = cols // t.block_size * t.type_size
+    head_rows = rows // heads if heads else 1
+
+    def read(ranges) -> torch.Tensor:
+        (r0, nr), (c0, nc) = ranges
+        if heads and (r0 % head_rows or nr % head_rows):   # un-permute needs whole heads
+            return torch.from_numpy(hf_tensor(gguf, cfg, gguf_name)[1][r0:r0 + nr, c0:c0 + nc].copy())
+        aligned = c0 % t.block_size == 0 and nc % t.block_size == 0
+        b0, nb = (c0, nc) if aligned else (0, cols)
+        raw = gguf.raw(gguf_name).reshape(rows, row_bytes)[r0:r0 + nr]
+        raw = raw[:, b0 // t.block_size * t.type_size:(b0 + nb) // t.block_size * t.type_size]
+        values = dequantize(raw.reshape(-1), info.type_id, (nr, nb))
+        if not aligned:
+            values = values[:, c0:c0 + nc]
+        if heads:
+            values = unpermute_rope_rows(values, nr // head_rows)
+        return torch.from_numpy(np.ascontiguousarray(values))
+
+    return read
+
+
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (works for a weight [rows, in] or a bias [rows]).
 

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional
 import torch
 from safetensors import safe_open
 
-from tokenmill.layers.lazy import LazyTensor
+from tokenmill.layers.lazy import LazyTensor, safetensors_reader
 
 from ...tokenizer import Tokenizer
 from .errors import CheckpointError
@@ -145,7 +145,7 @@ def iter_safetensors(files: list[str], lazy: bool = False) -> Iterator[tuple[str
 
 def _lazy(handle) -> LazyTensor:
     dtype = getattr(torch, _SAFETENSORS_DTYPES.get(handle.get_dtype(), "float32"))
-    return LazyTensor(handle, tuple(handle.get_shape()), dtype)
+    return LazyTensor(safetensors_reader(handle), tuple(handle.get_shape()), dtype)
 
 
 # safetensors dtype names -> torch names (floats are widened to float32 when read)
