@@ -78,7 +78,7 @@ def test_engine_flags_reach_the_engine(tiny_llama_dir, capsys, monkeypatch):
     assert args.cpu_weight_prepack is True and engine.config.model.cpu_weight_prepack is True
     assert parser.parse_args(["serve", "--no-cpu-weight-prepack"]).cpu_weight_prepack is False
     assert "not valid JSON" in _check_args(parser.parse_args(["serve", "--speculative-config", "{nope"]))
-    assert unimplemented_flags(parser.parse_args(["serve", "--tensor-parallel-size", "2"])) == [
-        "--tensor-parallel-size 2"]
+    tp_args = parser.parse_args(["serve", "--tensor-parallel-size", "2"])
+    assert tp_args.tensor_parallel_size == 2 and unimplemented_flags(tp_args) == []
     assert main(["generate", "--model", tiny_llama_dir, "--quantization", "int3", "x"]) == 2
     assert "unknown quantization 'int3'" in capsys.readouterr().err

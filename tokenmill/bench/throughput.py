@@ -19,6 +19,8 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-baseline", action="store_true", help="don't run max_num_seqs=1")
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas (processes); the one-at-a-time baseline is skipped")
     p.add_argument("--json", default=None, help="also write the result to this file")
     add_output_args(p)
     p.set_defaults(func=run)
@@ -35,15 +37,17 @@ def _timed_generate(llm, prompts, params, bar) -> float:
 def run(args) -> int:
     from tokenmill import LLM, SamplingParams
     llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, num_threads=args.num_threads,
-              skip_tokenizer_init=True,
+              skip_tokenizer_init=True, data_parallel_size=args.data_parallel_size,
               max_model_len=args.input_len + args.output_len + 16)
-    vocab = llm.engine.model.args.vocab_size
+    vocab = llm.engine.vocab_size
     prompts = random_prompts(args.num_prompts, args.input_len, vocab)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
-    sched = llm.engine.scheduler
+    # the baseline reseats one engine's scheduler; replicas' schedulers are in other processes
+    args.skip_baseline = args.skip_baseline or args.data_parallel_size > 1
+    sched = None if args.skip_baseline else llm.engine.scheduler
     result = {"bench": "throughput", "model": args.model, "num_prompts": args.num_prompts,
               "input_len": args.input_len, "output_len": args.output_len,
-              "machine": machine_info()}
+              "data_parallel_size": args.data_parallel_size, "machine": machine_info()}
     runs = args.repeats + 1 + (0 if args.skip_baseline else args.repeats)   # + 1 warm-up
     bar = progress(runs, "bench throughput", args.progress)
     cb, cb_all = median_of(lambda: _timed_generate(llm, prompts, params, bar), args.repeats)
@@ -59,6 +63,7 @@ def run(args) -> int:
         result["one_at_a_time_runs"] = [round(v, 2) for v in one_all]
         result["speedup"] = round(cb / one, 2)
     bar.close()
+    llm.engine.shutdown()
     result["machine_after"] = machine_info()
     rows = [{"mode": "continuous batching", "output_tok_s": result["continuous_batching_output_tok_s"]}]
     if "one_at_a_time_output_tok_s" in result:

@@ -125,7 +125,8 @@ class DataParallelEngine:
             self.shutdown()
             raise
         self.max_model_len = self._infos[0]["max_model_len"]
-        self.processor = Processor(self.tokenizer, self.max_model_len, self._infos[0]["vocab_size"])
+        self.vocab_size = self._infos[0]["vocab_size"]
+        self.processor = Processor(self.tokenizer, self.max_model_len, self.vocab_size)
         self.router = make_router(config.parallel.router, self.num_replicas, config.cache.block_size)
 
     def _make_backend(self, config):

@@ -80,7 +80,11 @@ class ReplicaActor:
 def connect(address: Optional[str]) -> bool:
     """Join (or, for ``address`` None, start) a Ray cluster unless this process already has
     one; True when this call initialised Ray (so the engine shuts it down again)."""
-    import ray
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("distributed_executor_backend='ray' needs Ray: "
+                         "pip install 'ray==2.60.0'") from None
     if ray.is_initialized():
         return False
     if address is None:   # a local cluster of this machine's cores

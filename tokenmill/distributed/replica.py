@@ -164,7 +164,7 @@ def replica_info(engine) -> dict:
     import torch
     memory = engine.get_memory_stats()
     return {"max_model_len": engine.max_model_len,
-            "vocab_size": engine.processor.vocab_size,   # the model's, not the tokenizer's
+            "vocab_size": engine.vocab_size,   # the model's, not the tokenizer's
             "num_total_blocks": memory["num_total_blocks"], "block_size": memory["block_size"],
             "pid": os.getpid(), "num_threads": torch.get_num_threads()}
 
@@ -181,14 +181,16 @@ def run_replica(config_bytes: bytes, recv: Callable[[bool], Optional[bytes]],
         logger.exception("replica failed to load")
         send(serial.encode(["failed", type(e).__name__, str(e)]))
         return
-    send(serial.encode(["ready", {**replica_info(engine), **(where or {})}]))
     try:
+        send(serial.encode(["ready", {**replica_info(engine), **(where or {})}]))
         ReplicaLoop(engine, send).run(recv)
     except (EOFError, BrokenPipeError):   # the parent is gone: nothing left to serve
-        return
+        pass
     except Exception as e:
         logger.exception("replica engine failed")
         send(serial.encode(["dead", f"a data-parallel replica's engine failed ({type(e).__name__})"]))
+    finally:
+        engine.shutdown()   # its tensor-parallel workers, if any, go with it
 
 
 # -- the "mp" backend: one spawned process per replica ----------------------------------------

@@ -48,10 +48,13 @@ class PrefixAwareRouter:
     A prompt's key chain is the chained block hashes (the prefix cache's own, salt included)
     of its first ``max_blocks`` full blocks among all but its last token (the engine always
     recomputes the last token, so only those blocks can hit). The deepest key already known
-    names the owner. Keys live in an LRU of ``capacity`` entries, so memory stays bounded."""
+    names the owner. ``max_blocks`` reaches well past a typical system prompt: were every key
+    inside the shared system prompt, all conversations would look alike and the next turn
+    of one could not find the replica holding its history. Keys live in an LRU of
+    ``capacity`` entries, so memory stays bounded."""
 
-    def __init__(self, num_replicas: int, block_size: int, max_blocks: int = 4,
-                 max_load_imbalance: int = 8, capacity: int = 65536) -> None:
+    def __init__(self, num_replicas: int, block_size: int, max_blocks: int = 32,
+                 max_load_imbalance: int = 4, capacity: int = 65536) -> None:
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
         for name, value in (("block_size", block_size), ("max_blocks", max_blocks),

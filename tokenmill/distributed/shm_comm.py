@@ -15,13 +15,15 @@ Messages larger than a slot go to the fallback (the gloo group).
 """
 from __future__ import annotations
 
-from multiprocessing import resource_tracker, shared_memory
+import mmap
+import os
 from typing import Optional
 
 import torch
 
 FLAG_BYTES = 64
 DEFAULT_SLOT_BYTES = 4 << 20
+SHM_DIR = "/dev/shm"
 
 
 class ShmCommunicator:
@@ -32,15 +34,20 @@ class ShmCommunicator:
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self.slot_bytes = slot_bytes
         size = FLAG_BYTES * world + 2 * world * slot_bytes
-        self.shm = shared_memory.SharedMemory(name=name, create=create, size=size if create else 0)
-        if create:
-            self.shm.buf[:FLAG_BYTES * world] = bytes(FLAG_BYTES * world)
-        else:   # the creator unlinks it; this process must not try again at exit
-            resource_tracker.unregister(self.shm._name, "shared_memory")
-        self._flags = torch.frombuffer(self.shm.buf, dtype=torch.int64, count=8 * world)
+        # A plain file in /dev/shm mapped by every rank (not multiprocessing.shared_memory:
+        # its resource tracker, shared by spawned ranks, would unlink or complain twice).
+        self.path = os.path.join(SHM_DIR, name)
+        fd = os.open(self.path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)   # zero-filled: every flag starts at step 0
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._flags = torch.frombuffer(self._map, dtype=torch.int64, count=8 * world)
         self._flags_ptr = self._flags.data_ptr()
         base = FLAG_BYTES * world
-        self._slots = [[torch.frombuffer(self.shm.buf, dtype=torch.uint8, count=slot_bytes,
+        self._slots = [[torch.frombuffer(self._map, dtype=torch.uint8, count=slot_bytes,
                                          offset=base + (bank * world + r) * slot_bytes)
                         for r in range(world)] for bank in range(2)]
         self.seq = 0
@@ -79,10 +86,16 @@ class ShmCommunicator:
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return torch.cat(self._exchange(x), dim=dim)   # cat copies out before reuse
 
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
     def close(self) -> None:
         self._flags = self._slots = None
         try:
-            self.shm.close()
+            self._map.close()
         except BufferError:   # a view still alive somewhere: the OS frees it at exit
             pass
 
@@ -91,10 +104,12 @@ def open_shm_communicator(rank: int, world: int, name: str, group, timeout_s: fl
                           ) -> Optional[ShmCommunicator]:
     """Rank 0 creates the segment, the others attach, then rank 0 unlinks the name (the
     mapping lives on until the last rank exits: nothing is left in /dev/shm, even after a
-    crash). None on every rank when any rank cannot (no kernel library): gloo serves."""
+    crash). None on every rank when any rank cannot (no kernel library, no /dev/shm): gloo
+    serves."""
     import torch.distributed as dist
     from tokenmill.layers import native
-    ok = torch.tensor([1 if native.library() is not None else 0], dtype=torch.int32)
+    usable = native.library() is not None and os.path.isdir(SHM_DIR)
+    ok = torch.tensor([1 if usable else 0], dtype=torch.int32)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
     if not int(ok):
         return None
@@ -104,5 +119,5 @@ def open_shm_communicator(rank: int, world: int, name: str, group, timeout_s: fl
         comm = ShmCommunicator(name, rank, world, create=False, timeout_s=timeout_s)
     dist.barrier(group=group)
     if rank == 0:
-        comm.shm.unlink()
+        comm.unlink()
     return comm

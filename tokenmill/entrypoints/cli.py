@@ -260,6 +260,8 @@ def _add_bench_parsers(sub) -> None:
     ablate.add_parser(bench_sub)
     from tokenmill.bench import collectives
     collectives.add_parser(bench_sub)
+    from tokenmill.bench import routing
+    routing.add_parser(bench_sub)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
