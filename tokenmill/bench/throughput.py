@@ -21,6 +21,9 @@ def add_parser(sub) -> None:
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine replicas (processes); the one-at-a-time baseline is skipped")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="rank processes one model is split over (the cores are split too)")
+    p.add_argument("--quantization", default=None, help="e.g. gguf, int8 (default: float)")
     p.add_argument("--json", default=None, help="also write the result to this file")
     add_output_args(p)
     p.set_defaults(func=run)
@@ -38,6 +41,7 @@ def run(args) -> int:
     from tokenmill import LLM, SamplingParams
     llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, num_threads=args.num_threads,
               skip_tokenizer_init=True, data_parallel_size=args.data_parallel_size,
+              tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
               max_model_len=args.input_len + args.output_len + 16)
     vocab = llm.engine.vocab_size
     prompts = random_prompts(args.num_prompts, args.input_len, vocab)
@@ -47,7 +51,9 @@ def run(args) -> int:
     sched = None if args.skip_baseline else llm.engine.scheduler
     result = {"bench": "throughput", "model": args.model, "num_prompts": args.num_prompts,
               "input_len": args.input_len, "output_len": args.output_len,
-              "data_parallel_size": args.data_parallel_size, "machine": machine_info()}
+              "data_parallel_size": args.data_parallel_size,
+              "tensor_parallel_size": args.tensor_parallel_size, "quantization": args.quantization,
+              "machine": machine_info()}
     runs = args.repeats + 1 + (0 if args.skip_baseline else args.repeats)   # + 1 warm-up
     bar = progress(runs, "bench throughput", args.progress)
     cb, cb_all = median_of(lambda: _timed_generate(llm, prompts, params, bar), args.repeats)
