@@ -240,3 +240,14 @@ def test_lazy_gguf_pieces_equal_slices_of_the_eager_tensors(tmp_path):
                                full.narrow(dim, start, length)), (name, dim, start, length)
         checked += 1
     assert checked >= 10
+
+
+def test_a_dropped_engine_stops_its_ranks(tied_llama_dir):
+    import gc
+    engine = make_engine(tied_llama_dir, 2)
+    procs = list(engine.executor.procs)
+    del engine
+    gc.collect()
+    for p in procs:
+        p.join(10)
+    assert not any(p.is_alive() for p in procs)

@@ -3,6 +3,7 @@ forward, sample; on every tensor-parallel rank, through the executor) -> update 
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Optional
 
 import torch
@@ -51,6 +52,8 @@ class LLMEngine:
                              "draft_model speculator yet; use kv_cache_dtype='auto'")
         # Every rank (one in this process when tensor_parallel_size is 1) loads its shard.
         self.executor = make_executor(self._rank_spec(), pc, self.num_threads)
+        # An engine dropped without shutdown() still stops its rank processes.
+        weakref.finalize(self, self.executor.shutdown)
         info = self.executor.info
         r0 = info[0]
         self.vocab_size = r0.vocab_size
