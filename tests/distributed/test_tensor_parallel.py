@@ -251,3 +251,33 @@ def test_a_dropped_engine_stops_its_ranks(tied_llama_dir):
     for p in procs:
         p.join(10)
     assert not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "fp8"])
+def test_tp2_on_quantized_checkpoints_matches_one_process(tmp_path, fmt):
+    """GPTQ / AWQ int32 packs (split along their packed dims: rows for column-parallel, K
+    at group boundaries for row-parallel) and an FP8 checkpoint with per-channel scales."""
+    from tests.conftest import save_tiny_llama
+    from tokenmill.layers.quant import formats
+    from tokenmill.models.loader import open_checkpoint
+    from tokenmill.quantization import writer
+    from tokenmill.quantization.gptq import rtn
+    src = tmp_path / "float"
+    save_tiny_llama(src, num_hidden_layers=2)
+    source = open_checkpoint(str(src))
+    tensors = dict(source.iter_tensors())
+    out = {}
+    for name in list(tensors):
+        if not name.endswith("proj.weight"):
+            continue
+        prefix, w = name[:-len(".weight")], tensors.pop(name)
+        if fmt == "fp8":
+            out.update(writer.fp8_tensors(prefix, formats.quantize_fp8(w)))
+        else:
+            pack = writer.gptq_tensors if fmt == "gptq" else writer.awq_tensors
+            out.update(pack(prefix, rtn(w, 4, 32)))
+    out.update(tensors)
+    qc = writer.quantization_config(fmt, 8 if fmt == "fp8" else 4, 32)
+    writer.write_checkpoint(str(tmp_path / fmt), source.hf_config, out, qc)
+    single, _ = tp_vs_single(str(tmp_path / fmt), 2)
+    assert single.model.quantization_method == {"fp8": "fp8-ckpt"}.get(fmt, fmt)
