@@ -8,7 +8,7 @@ import pytest
 from tests.distributed.procs import (child_pids, run_to_completion, settle_children,
                                      start_resource_tracker, tiny_config)
 from tests.distributed.test_data_parallel import mixed_requests
-from tokenmill.distributed.data_parallel import DataParallelEngine
+from tokenmill.engine.data_parallel import DataParallelEngine
 from tokenmill.engine.llm_engine import LLMEngine
 
 ray = pytest.importorskip("ray")

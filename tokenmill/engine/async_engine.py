@@ -63,7 +63,7 @@ class _Stream:
 class AsyncEngine:
     """``build`` is called in the engine thread and returns an LLMEngine or a
     DataParallelEngine (anything with their synchronous surface; see
-    tokenmill.distributed.data_parallel.create_engine).
+    tokenmill.engine.data_parallel.create_engine).
 
     ``max_pending`` bounds requests accepted but not finished (running + queued); beyond it
     ``add`` raises EngineOverloadedError so the server can answer 503.

@@ -32,7 +32,7 @@ class LLMEngine:
         mc, cc, pc = config.model, config.cache, config.parallel
         if pc.data_parallel_size != 1:
             raise ValueError("LLMEngine runs one replica; data_parallel_size > 1 goes through "
-                             "tokenmill.distributed.data_parallel")
+                             "tokenmill.engine.data_parallel")
         if pc.tensor_parallel_size > 1 and config.speculative is not None:
             raise ValueError("speculative decoding does not run with tensor_parallel_size > 1 yet")
         self.num_threads = set_num_threads(config.num_threads)

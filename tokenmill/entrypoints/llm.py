@@ -7,7 +7,7 @@ from tqdm import tqdm
 
 from tokenmill.config import (CacheConfig, EngineConfig, ModelConfig, ParallelConfig,
                               SchedulerConfig, SpeculativeConfig)
-from tokenmill.distributed.data_parallel import create_engine
+from tokenmill.engine.data_parallel import create_engine
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams

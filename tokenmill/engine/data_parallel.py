@@ -23,7 +23,7 @@ from collections import deque
 from typing import Optional
 
 from tokenmill.distributed import serial
-from tokenmill.distributed.replica import (REMOTE_ERRORS, ProcessReplicas, error_output,
+from tokenmill.engine.replica import (REMOTE_ERRORS, ProcessReplicas, error_output,
                                            replica_config, usable_cores)
 from tokenmill.distributed.router import make_router
 from tokenmill.engine import snapshot
@@ -132,7 +132,7 @@ class DataParallelEngine:
     def _make_backend(self, config):
         num = self.num_replicas
         if config.parallel.distributed_executor_backend == "ray":
-            from tokenmill.distributed import ray_replica
+            from tokenmill.engine import ray_replica
             owns_ray = ray_replica.connect(config.parallel.ray_address)
             try:
                 cpus = ray_replica.cpus_per_replica(num, config.num_threads)

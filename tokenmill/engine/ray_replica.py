@@ -1,6 +1,6 @@
 """The "ray" backend of data parallelism: one Ray actor per replica, on any node of a cluster.
 
-An actor runs the same ReplicaLoop as a replica process (tokenmill.distributed.replica) in a
+An actor runs the same ReplicaLoop as a replica process (tokenmill.engine.replica) in a
 thread of its own. The parent hands it msgpack bytes only: ``send(seq, message)`` feeds the
 loop's inbox in ``seq`` order (a threaded actor does not promise to run calls in the order
 they were made), and ``poll(timeout_s)`` returns what the loop pushed, waiting up to
@@ -17,7 +17,7 @@ import threading
 from typing import Callable, Optional
 
 from tokenmill.distributed import serial
-from tokenmill.distributed.replica import run_replica
+from tokenmill.engine.replica import run_replica
 
 logger = logging.getLogger("tokenmill.ray_replica")
 
