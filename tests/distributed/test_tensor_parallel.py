@@ -281,3 +281,18 @@ def test_tp2_on_quantized_checkpoints_matches_one_process(tmp_path, fmt):
     writer.write_checkpoint(str(tmp_path / fmt), source.hf_config, out, qc)
     single, _ = tp_vs_single(str(tmp_path / fmt), 2)
     assert single.model.quantization_method == {"fp8": "fp8-ckpt"}.get(fmt, fmt)
+
+
+def test_dp2_of_tp2_replicas_matches_one_process(tied_llama_dir):
+    """Each of two replica processes runs its own two rank processes."""
+    from tokenmill.engine.data_parallel import create_engine
+    expected = run(make_engine(tied_llama_dir, 1))
+    cfg = EngineConfig(model=ModelConfig(model=tied_llama_dir, skip_tokenizer_init=True),
+                       cache=CacheConfig(block_size=4, num_kv_blocks=64),
+                       parallel=ParallelConfig(tensor_parallel_size=2, data_parallel_size=2))
+    engine = create_engine(cfg)
+    try:
+        same_outputs(expected, run(engine))
+    finally:
+        engine.shutdown()
+    assert not [c for c in multiprocessing.active_children() if c.name.startswith("tokenmill")]
