@@ -115,16 +115,19 @@ def test_tp_beyond_kv_heads_replicates_them(tmp_path):
     assert all(r["kv_cache"] == single.get_memory_stats()["kv_cache"] for r in memory["ranks"])
 
 
-def test_tp3_on_smollm2_matches_one_process(smollm2_path):
-    """9 query / 3 KV heads: one KV head per rank; Q4_1 / Q8_0 blocks split packed."""
-    single = make_engine(smollm2_path, 1, "gguf")
-    prompts = [[1, 504, 3458, 314, 3575, 282], [1, 9690, 28]]
-    expected = run(single, prompts, max_tokens=6)
-    split = make_engine(smollm2_path, 3, "gguf")
+def real_model_tp_matches(path, tp, prompts):
+    """A real GGUF (packed blocks), 6 tokens per request: TP=tp against one process."""
+    expected = run(make_engine(path, 1, "gguf"), prompts, max_tokens=6)
+    split = make_engine(path, tp, "gguf")
     try:
         same_outputs(expected, run(split, prompts, max_tokens=6))
     finally:
         split.shutdown()
+
+
+def test_tp3_on_smollm2_matches_one_process(smollm2_path):
+    """9 query / 3 KV heads: one KV head per rank; Q4_1 / Q8_0 blocks split packed."""
+    real_model_tp_matches(smollm2_path, 3, [[1, 504, 3458, 314, 3575, 282], [1, 9690, 28]])
 
 
 def test_uneven_splits_are_refused_before_any_process_starts(tied_llama_dir):
@@ -190,13 +193,7 @@ def test_tp2_on_gemma3_replicates_its_one_kv_head():
         path = resolve_model("gemma3-270m")
     except Exception as e:
         pytest.skip(f"Gemma3 GGUF unavailable: {e}")
-    prompts = [[2, 818, 5279, 529, 7001, 563], [2, 9259, 236764]]
-    expected = run(make_engine(path, 1, "gguf"), prompts, max_tokens=6)
-    split = make_engine(path, 2, "gguf")
-    try:
-        same_outputs(expected, run(split, prompts, max_tokens=6))
-    finally:
-        split.shutdown()
+    real_model_tp_matches(path, 2, [[2, 818, 5279, 529, 7001, 563], [2, 9259, 236764]])
 
 
 def test_tp2_over_ray_actors_matches_one_process(tied_llama_dir):
