@@ -70,3 +70,10 @@ def test_load_summary_from_a_real_engine(tiny_llama_dir, caplog):
     assert line.startswith("loaded tiny in ") and " s (weights " in line
     assert f"KV cache 8 blocks / 128 tokens, {format_bytes(stats['kv_cache'])})" in line
     assert line == load_summary("tiny", float(line.split()[3]), stats)
+
+
+def test_load_summary_names_the_tensor_parallel_ranks():
+    stats = {"model_weights": 2 << 20, "num_total_blocks": 4, "kv_capacity_tokens": 64,
+             "kv_cache": 1 << 20, "tensor_parallel_size": 3}
+    assert load_summary("m", 1.0, stats).endswith(", over 3 tensor-parallel ranks)")
+    assert "ranks" not in load_summary("m", 1.0, {**stats, "tensor_parallel_size": 1})
