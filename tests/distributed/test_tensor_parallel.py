@@ -293,3 +293,30 @@ def test_dp2_of_tp2_replicas_matches_one_process(tied_llama_dir):
     finally:
         engine.shutdown()
     assert not [c for c in multiprocessing.active_children() if c.name.startswith("tokenmill")]
+
+
+def test_ngram_speculation_with_tp2_matches_one_process(tied_llama_dir):
+    """Rank 0 drafts (ngram: no collectives); every rank verifies the scheduler's drafts and
+    samples the same tokens. Stats come from rank 0."""
+    from tokenmill.config import SpeculativeConfig
+
+    def engine(tp, spec):
+        cfg = EngineConfig(model=ModelConfig(model=tied_llama_dir, skip_tokenizer_init=True),
+                           cache=CacheConfig(block_size=4, num_kv_blocks=64),
+                           parallel=ParallelConfig(tensor_parallel_size=tp),
+                           speculative=SpeculativeConfig("ngram", 3, adaptive=False) if spec else None)
+        return LLMEngine(cfg)
+    repetitive = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 9, 9, 9, 9, 9]]
+    expected = run(engine(1, False), repetitive, max_tokens=48)
+    split = engine(2, True)
+    try:
+        got = run(split, repetitive, max_tokens=48)
+        stats = split.get_stats()
+    finally:
+        split.shutdown()
+    same_outputs(expected, got)
+    assert stats["spec_decode"]["method"] == "ngram" and stats["spec_num_draft_tokens"] > 0
+    with pytest.raises(ValueError, match="does not run with tensor_parallel_size > 1"):
+        LLMEngine(EngineConfig(model=ModelConfig(model=tied_llama_dir, skip_tokenizer_init=True),
+                               parallel=ParallelConfig(tensor_parallel_size=2),
+                               speculative=SpeculativeConfig("medusa", 2)))

@@ -78,9 +78,10 @@ def decode(data: bytes) -> Any:
 
 def _register_engine_types() -> None:
     from tokenmill import outputs
+    from tokenmill.config import SpeculativeConfig
     from tokenmill.sampling_params import SamplingParams
     from tokenmill.sched import output as sched_output
-    for cls in (SamplingParams, sched_output.NewRequestData, sched_output.CachedRequestData,
+    for cls in (SamplingParams, SpeculativeConfig, sched_output.NewRequestData, sched_output.CachedRequestData,
                 sched_output.SchedulerOutput, outputs.Logprob, outputs.ModelRunnerOutput,
                 outputs.EngineCoreOutput, outputs.CompletionOutput, outputs.RequestOutput):
         register(cls)

@@ -33,8 +33,11 @@ class LLMEngine:
         if pc.data_parallel_size != 1:
             raise ValueError("LLMEngine runs one replica; data_parallel_size > 1 goes through "
                              "tokenmill.engine.data_parallel")
-        if pc.tensor_parallel_size > 1 and config.speculative is not None:
-            raise ValueError("speculative decoding does not run with tensor_parallel_size > 1 yet")
+        if pc.tensor_parallel_size > 1 and config.speculative is not None \
+                and config.speculative.method != "ngram":
+            # the other drafters run target layers or its embedding: collectives on rank 0 alone
+            raise ValueError(f"speculative method {config.speculative.method!r} does not run "
+                             "with tensor_parallel_size > 1 yet; use 'ngram'")
         self.num_threads = set_num_threads(config.num_threads)
         self.device = pick_device()
         self.dtype = resolve_dtype(mc.dtype, self.device)
@@ -65,13 +68,7 @@ class LLMEngine:
         num_blocks = decide_num_blocks(cc.num_kv_blocks, cc.kv_cache_memory,
                                        cc.gpu_memory_utilization, per_block, self.device,
                                        self.weight_bytes)
-        self.executor.init_cache(num_blocks, cc.block_size)
-        lookahead = 0
-        if config.speculative is not None:
-            from tokenmill.spec.decoder import build_spec_decoder
-            self.runner.spec = build_spec_decoder(config.speculative, self.runner,
-                                                  self.max_model_len, num_blocks, config.cache_dir)
-            lookahead = self.runner.spec.num_lookahead_tokens
+        lookahead = self.executor.init_cache(num_blocks, cc.block_size)   # rank 0 speculates
         self.scheduler = Scheduler(config.scheduler, cc, num_blocks, self.max_model_len,
                                    num_lookahead_tokens=lookahead)
         self.processor = Processor(self.tokenizer, self.max_model_len, self.vocab_size)
@@ -88,7 +85,8 @@ class LLMEngine:
             attention_backend=mc.attention_backend, torch_compile=mc.torch_compile, seed=mc.seed,
             master_addr=pc.master_addr, master_port=pc.master_port,
             num_threads=self.num_threads, collective_timeout_s=pc.collective_timeout_s,
-            shm_collectives=pc.shm_collectives)
+            shm_collectives=pc.shm_collectives, speculative=self.config.speculative,
+            cache_dir=self.config.cache_dir)
 
     @property
     def model(self):
@@ -134,6 +132,8 @@ class LLMEngine:
         self.stats = EngineStats()
         if self.spec_decoder is not None:
             self.spec_decoder.reset_stats()
+        elif self.config.speculative is not None:
+            self.executor.spec_call("spec_reset")   # rank 0 of the workers
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: SamplingParams,
@@ -215,6 +215,8 @@ class LLMEngine:
         stats["prefix_cache_hits"] = prefix.num_hits
         if self.spec_decoder is not None:
             stats.update(self.spec_decoder.snapshot())
+        elif self.config.speculative is not None:
+            stats.update(self.executor.spec_call("spec_snapshot"))
         return stats
 
     def get_memory_stats(self) -> dict:

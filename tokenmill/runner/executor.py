@@ -42,8 +42,8 @@ class InProcessExecutor:
     def runner(self):
         return self.worker.runner
 
-    def init_cache(self, num_blocks: int, block_size: int) -> None:
-        self.worker.init_cache(num_blocks, block_size)
+    def init_cache(self, num_blocks: int, block_size: int) -> int:
+        return self.worker.init_cache(num_blocks, block_size)
 
     def execute(self, so):
         return self.worker.runner.execute(so)
@@ -97,8 +97,12 @@ class MultiprocExecutor:
     runner = None
 
     # -- calls ----------------------------------------------------------------------------
-    def init_cache(self, num_blocks: int, block_size: int) -> None:
-        self._all("init_cache", (num_blocks, block_size))
+    def init_cache(self, num_blocks: int, block_size: int) -> int:
+        return self._all("init_cache", (num_blocks, block_size))[0]
+
+    def spec_call(self, kind: str):
+        """Rank 0's answer to "spec_snapshot" / "spec_reset" (the others answer None)."""
+        return self._all(kind, None)[0]
 
     def execute(self, so):
         self._send_all("execute", so)

@@ -100,8 +100,11 @@ class RayExecutor:
         request = serial.encode((kind, payload))
         return [serial.decode(b) for b in self._get([a.handle.remote(request) for a in self.actors])]
 
-    def init_cache(self, num_blocks: int, block_size: int) -> None:
-        self._call_all("init_cache", (num_blocks, block_size))
+    def init_cache(self, num_blocks: int, block_size: int) -> int:
+        return self._call_all("init_cache", (num_blocks, block_size))[0]
+
+    def spec_call(self, kind: str):
+        return self._call_all(kind, None)[0]
 
     def execute(self, so):
         return self._call_all("execute", so)[0]

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from tokenmill.config import SpeculativeConfig
 from tokenmill.distributed import serial
 from tokenmill.distributed.parallel_state import TPGroup, destroy_tp_group, init_tp_group
 
@@ -44,6 +45,10 @@ class RankSpec:
     num_threads: int = 1
     collective_timeout_s: float = 120.0
     shm_collectives: bool = True
+    # Speculative decoding runs on rank 0 only (drafts reach every rank through the
+    # scheduler); with TP > 1 only collective-free proposers (ngram) are allowed.
+    speculative: Optional[SpeculativeConfig] = None
+    cache_dir: Optional[str] = None
 
 
 @serial.register
@@ -93,12 +98,20 @@ class RankWorker:
                         prepacked_bytes=self.model.prepacked_bytes,
                         quantization_method=self.model.quantization_method)
 
-    def init_cache(self, num_blocks: int, block_size: int) -> None:
+    def init_cache(self, num_blocks: int, block_size: int) -> int:
+        """Allocate the KV cache and the runner; returns the speculative lookahead tokens
+        the scheduler must reserve (0 without speculation)."""
         from tokenmill.runner.model_runner import ModelRunner
         s = self.spec
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.device,
                                   _dtype(s.kv_dtype), s.attention_backend, seed=s.seed,
                                   torch_compile=s.torch_compile, cpu_kernels=s.cpu_kernels)
+        if s.speculative is None or s.rank != 0:
+            return 0
+        from tokenmill.spec.decoder import build_spec_decoder
+        self.runner.spec = build_spec_decoder(s.speculative, self.runner, s.max_model_len,
+                                              num_blocks, s.cache_dir)
+        return self.runner.spec.num_lookahead_tokens
 
     def memory(self) -> dict:
         from tokenmill.engine.stats import module_bytes
@@ -111,18 +124,33 @@ class RankWorker:
         """One request from the engine -> the reply (None: nothing to send back)."""
         if kind == "execute":
             out = self.runner.execute(payload)
+            self._finish_spec(payload.finished_req_ids)
             return out if self.spec.rank == 0 else None
         if kind == "release":
             self.runner.release(payload)
+            self._finish_spec(payload)
             return None
         if kind == "init_cache":
-            self.init_cache(*payload)
+            return self.init_cache(*payload)
+        if kind == "spec_snapshot":
+            return self.runner.spec.snapshot() if self.runner.spec is not None else None
+        if kind == "spec_reset":
+            if self.runner.spec is not None:
+                self.runner.spec.reset_stats()
             return True
         if kind == "memory":
             return self.memory()
         if kind == "ping":
             return self.spec.rank
         raise ValueError(f"unknown worker request {kind!r}")
+
+
+    def _finish_spec(self, req_ids) -> None:
+        """A worker rank's speculative stats of requests that left (in-process, the engine
+        calls finish_request itself)."""
+        if self.runner.spec is not None and self.tp.is_parallel:
+            for req_id in req_ids:
+                self.runner.spec.finish_request(req_id)
 
 
 def _rank_device(rank: int) -> torch.device:
