@@ -19,13 +19,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # not Linux
+        return os.cpu_count() or 1
+
+
 def set_num_threads(num_threads: Optional[int]) -> int:
     """Torch intra-op threads; default = every core this process may use."""
     if num_threads is None:
-        try:
-            num_threads = len(os.sched_getaffinity(0))
-        except AttributeError:
-            num_threads = os.cpu_count() or 1
+        num_threads = usable_cores()
     if num_threads < 1:
         raise ValueError(f"num_threads must be >= 1, got {num_threads}")
     torch.set_num_threads(num_threads)

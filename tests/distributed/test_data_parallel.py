@@ -12,7 +12,7 @@ import pytest
 from tests.distributed.procs import (child_pids, drain, run_to_completion, settle_children,
                                      start_resource_tracker, tiny_config)
 from tokenmill.engine.data_parallel import DataParallelEngine, create_engine
-from tokenmill.engine.replica import usable_cores
+from tokenmill.platform import usable_cores
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import statistics
 import sys
 import time
@@ -49,19 +48,6 @@ def add_parser(sub) -> None:
 
 
 # -- the ranks ------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:                    # not on Linux
-        return os.cpu_count() or 1
-
-
 def _rank_main(rank: int, world: int, port: int, sizes: Sequence[int], repeats: int,
                warmup: int, threads: int, queue) -> None:
     """One rank: time every (collective, size) and send {(op, elements): [seconds]} home."""
@@ -117,7 +103,8 @@ def _gather_times(world: int, sizes: Sequence[int], repeats: int, warmup: int,
     import queue as queue_mod
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    from tokenmill.distributed.parallel_state import free_port   # torch: not at CLI start-up
+    port = free_port("127.0.0.1")
     procs = [ctx.Process(target=_rank_main, daemon=True,
                          args=(r, world, port, tuple(sizes), repeats, warmup, threads, q))
              for r in range(world)]
@@ -239,7 +226,8 @@ def measure(world_size: int = 2, sizes: Sequence[int] = DEFAULT_SIZES, repeats: 
     sizes = [int(s) for s in sizes]
     if not sizes or min(sizes) < 1:
         raise ValueError("sizes must be positive element counts")
-    cores = _usable_cores()
+    from tokenmill.platform import usable_cores
+    cores = usable_cores()
     threads = threads if threads is not None else max(1, cores // world_size)
     t0 = time.perf_counter()
     per_rank = _gather_times(world_size, sizes, repeats, warmup, threads, timeout)

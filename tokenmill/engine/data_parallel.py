@@ -24,11 +24,12 @@ from typing import Optional
 
 from tokenmill.distributed import serial
 from tokenmill.engine.replica import (REMOTE_ERRORS, ProcessReplicas, error_output,
-                                           replica_config, usable_cores)
+                                           replica_config)
 from tokenmill.distributed.router import make_router
 from tokenmill.engine import snapshot
 from tokenmill.engine.processor import Processor, PromptType
 from tokenmill.outputs import RequestOutput
+from tokenmill.platform import usable_cores
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.utils import cdiv
 

@@ -54,7 +54,7 @@ class LLMEngine:
             raise ValueError(f"kv_cache_dtype={cc.kv_cache_dtype!r} does not work with a "
                              "draft_model speculator yet; use kv_cache_dtype='auto'")
         # Every rank (one in this process when tensor_parallel_size is 1) loads its shard.
-        self.executor = make_executor(self._rank_spec(), pc, self.num_threads)
+        self.executor = make_executor(self._rank_spec(), pc, self.num_threads, checkpoint)
         # An engine dropped without shutdown() still stops its rank processes.
         weakref.finalize(self, self.executor.shutdown)
         info = self.executor.info

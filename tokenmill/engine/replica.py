@@ -43,13 +43,6 @@ for _cls in (config_module.ModelConfig, config_module.CacheConfig, config_module
     serial.register(_cls)
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:   # not Linux
-        return os.cpu_count() or 1
-
-
 def replica_config(config, num_threads: int):
     """The config one replica's LLMEngine is built from: a single replica (no nested data
     parallelism), with ``num_threads`` torch threads unless the user chose a number."""

@@ -9,10 +9,10 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
-import os
 import time
 from typing import Optional
 
@@ -30,9 +30,9 @@ class WorkerFailedError(RuntimeError):
 class InProcessExecutor:
     world_size = 1
 
-    def __init__(self, spec: RankSpec) -> None:
+    def __init__(self, spec: RankSpec, checkpoint=None) -> None:
         self.worker = RankWorker(spec, SINGLE)
-        self.info: list[RankInfo] = [self.worker.load()]
+        self.info: list[RankInfo] = [self.worker.load(checkpoint)]
 
     @property
     def model(self):
@@ -54,9 +54,6 @@ class InProcessExecutor:
     def memory(self) -> list[dict]:
         return [self.worker.memory()]
 
-    def check_alive(self) -> None:
-        pass
-
     def shutdown(self) -> None:
         pass
 
@@ -77,9 +74,9 @@ class MultiprocExecutor:
         self._stopped = False
         try:
             for rank in range(world_size):
-                rank_spec = RankSpec(**{**_fields(spec), "rank": rank, "world_size": world_size,
-                                        "master_port": port,
-                                        "num_threads": max(1, num_threads // world_size)})
+                rank_spec = dataclasses.replace(spec, rank=rank, world_size=world_size,
+                                                master_port=port,
+                                                num_threads=max(1, num_threads // world_size))
                 parent, child = ctx.Pipe(duplex=True)
                 proc = ctx.Process(target=worker_process_main, args=(serial.encode(rank_spec), child),
                                    name=f"tokenmill-tp{rank}", daemon=True)
@@ -145,9 +142,8 @@ class MultiprocExecutor:
                 if status == "error":
                     self._fail(value)
                 self._pending[r].append(value)
-            if self._pending[rank]:
-                break
-            self.check_alive()
+            if not self._pending[rank]:
+                self.check_alive()
             if deadline is not None and time.monotonic() > deadline:
                 self._fail(f"tensor-parallel worker rank {rank} did not answer in {timeout_s:.0f} s")
         return self._pending[rank].pop(0)
@@ -186,24 +182,12 @@ class MultiprocExecutor:
             conn.close()
 
 
-def _fields(spec: RankSpec) -> dict:
-    return {name: getattr(spec, name) for name in spec.__dataclass_fields__}
-
-
-def make_executor(spec: RankSpec, parallel, num_threads: int):
-    """The executor for ``parallel.tensor_parallel_size`` ranks."""
+def make_executor(spec: RankSpec, parallel, num_threads: int, checkpoint=None):
+    """The executor for ``parallel.tensor_parallel_size`` ranks. ``checkpoint``: the engine's
+    open checkpoint, which an in-process rank loads from instead of opening it again."""
     if parallel.tensor_parallel_size == 1:
-        return InProcessExecutor(spec)
+        return InProcessExecutor(spec, checkpoint)
     if parallel.distributed_executor_backend == "ray":
         from tokenmill.runner.ray_executor import RayExecutor
         return RayExecutor(spec, parallel, num_threads)
     return MultiprocExecutor(spec, parallel.tensor_parallel_size, num_threads)
-
-
-def default_num_threads(num_threads: Optional[int]) -> int:
-    if num_threads is not None:
-        return num_threads
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1

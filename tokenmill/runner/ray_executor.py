@@ -7,11 +7,12 @@ caller's calls in the order they were made, so every rank sees the same sequence
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from tokenmill.distributed import serial
 from tokenmill.distributed.parallel_state import free_port
-from tokenmill.runner.executor import WorkerFailedError, _fields
+from tokenmill.runner.executor import WorkerFailedError
 from tokenmill.runner.worker import RankSpec
 
 logger = logging.getLogger("tokenmill.ray_executor")
@@ -75,8 +76,8 @@ class RayExecutor:
                                     f"for {size} tensor-parallel ranks") from None
         actor_cls = ray.remote(num_cpus=threads)(RankActor)
         self.actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            self.placement, placement_group_bundle_index=r)).remote(serial.encode(RankSpec(
-                **{**_fields(spec), "rank": r, "world_size": size, "num_threads": threads})))
+            self.placement, placement_group_bundle_index=r)).remote(serial.encode(
+                dataclasses.replace(spec, rank=r, world_size=size, num_threads=threads)))
             for r in range(size)]
         try:
             addr, port = self._get([self.actors[0].rendezvous.remote()])[0]
@@ -114,9 +115,6 @@ class RayExecutor:
 
     def memory(self) -> list[dict]:
         return self._call_all("memory", None)
-
-    def check_alive(self) -> None:
-        self._call_all("ping", None)
 
     def shutdown(self) -> None:
         if self._stopped:

@@ -77,7 +77,8 @@ class RankWorker:
         self.model = None
         self.runner = None
 
-    def load(self) -> RankInfo:
+    def load(self, checkpoint=None) -> RankInfo:
+        """Build this rank's shard (from ``checkpoint`` when the caller has it open)."""
         from tokenmill.engine.stats import module_bytes
         from tokenmill.layers import native
         from tokenmill.models.loader import open_checkpoint
@@ -86,7 +87,8 @@ class RankWorker:
         torch.manual_seed(s.seed)
         if self.device.type == "cpu":
             native.build()
-        self.model = build_model(open_checkpoint(s.model_path), self.device, _dtype(s.dtype),
+        checkpoint = checkpoint if checkpoint is not None else open_checkpoint(s.model_path)
+        self.model = build_model(checkpoint, self.device, _dtype(s.dtype),
                                  s.max_model_len, quantization=s.quantization,
                                  quant_activations=s.quant_activations,
                                  cpu_weight_prepack=s.cpu_weight_prepack,
@@ -140,8 +142,6 @@ class RankWorker:
             return True
         if kind == "memory":
             return self.memory()
-        if kind == "ping":
-            return self.spec.rank
         raise ValueError(f"unknown worker request {kind!r}")
 
 
