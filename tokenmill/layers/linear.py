@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from tokenmill.distributed.parallel_state import SINGLE, TPGroup
+from tokenmill.distributed.parallel_state import SINGLE, TPGroup, split_evenly
 from tokenmill.layers.quant.methods import LinearMethod, UnquantizedLinearMethod
 from tokenmill.layers.lazy import materialize
 
@@ -55,7 +55,7 @@ class Linear(nn.Module):
                                           shard_parts or {}, pad=gather_output)
         self.shard_sizes = [self.checkpoint_rows[n][1] for n in self.shard_names]
         if parallel == "row":
-            in_features = _split(in_features, tp.size, "input features")
+            in_features = split_evenly(in_features, tp.size, "input features of a linear layer")
         self.in_features = in_features
         self.out_features = sum(self.shard_sizes)
         self.params_dtype = dtype
@@ -148,13 +148,6 @@ class MergedLinear(Linear):
         return torch.split(out, self.shard_sizes, dim=-1)
 
 
-def _split(total: int, parts: int, what: str) -> int:
-    if total % parts:
-        raise ValueError(f"tensor_parallel_size {parts} does not divide the {total} {what} "
-                         "of a linear layer")
-    return total // parts
-
-
 def _rank_rows(sizes: Sequence[int], names: Sequence, tp: TPGroup, parallel: Optional[str],
                parts: dict, pad: bool) -> dict:
     """name -> (first checkpoint row, rows) this rank holds of each output shard. ``pad``:
@@ -165,7 +158,8 @@ def _rank_rows(sizes: Sequence[int], names: Sequence, tp: TPGroup, parallel: Opt
             rows[name] = (0, size)
             continue
         num_parts, index = parts.get(name, (tp.size, tp.rank))
-        local = -(-size // num_parts) if pad else _split(size, num_parts, "output features")
+        local = -(-size // num_parts) if pad else split_evenly(size, num_parts,
+                                                               "output features of a linear layer")
         rows[name] = (index * local, local)
     return rows
 
