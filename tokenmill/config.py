@@ -170,7 +170,9 @@ class ParallelConfig:
     "round_robin" ignores content). ``distributed_executor_backend``: "mp" (local spawned
     processes) or "ray" (actors on a Ray cluster: ``ray_address`` None starts a local one,
     "auto" joins the running cluster). ``master_addr`` / ``master_port``: the rendezvous of
-    a tensor-parallel group (port 0 = pick a free one)."""
+    a tensor-parallel group (port 0 = pick a free one). ``enable_expert_parallel``: an MoE
+    model's experts are sharded whole over the tensor-parallel ranks (attention stays split
+    by heads) instead of every rank holding a slice of every expert."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -184,6 +186,7 @@ class ParallelConfig:
     # CPU ranks of one host exchange small collectives through shared memory (microseconds)
     # instead of gloo's loopback TCP (~0.5 ms each here); False: gloo for everything.
     shm_collectives: bool = True
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -199,6 +202,9 @@ class ParallelConfig:
             raise ValueError(f"master_port must be in [0, 65535], got {self.master_port!r}")
         if not isinstance(self.master_addr, str) or not self.master_addr:
             raise ValueError("master_addr must be a host name or address")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be True or False, "
+                             f"got {self.enable_expert_parallel!r}")
         if not isinstance(self.shm_collectives, bool):
             raise ValueError(f"shm_collectives must be True or False, got {self.shm_collectives!r}")
         if not self.collective_timeout_s > 0:

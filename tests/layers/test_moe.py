@@ -34,7 +34,39 @@ def test_route_picks_the_top_k_softmax_weights():
 
 def test_expert_load_counts_and_imbalance():
     load = ExpertLoad(num_layers=2, num_experts=4)
-    assert load.imbalance(0) == 0.0
-    load.record(0, torch.tensor([[0, 1], [0, 2], [0, 3]]))
-    assert load.counts[0] == [3, 1, 1, 1] and load.counts[1] == [0, 0, 0, 0]
-    assert load.imbalance(0) == pytest.approx(3 / 1.5)
+    assert load.snapshot()["imbalance"] == [0.0, 0.0]
+    load.record(0, torch.bincount(torch.tensor([0, 1, 0, 2, 0, 3]), minlength=4))
+    snap = load.snapshot(ranks=[range(0, 2), range(2, 4)])
+    assert snap["counts"] == [[3, 1, 1, 1], [0, 0, 0, 0]] and snap["routed"] == 6
+    assert snap["imbalance"][0] == pytest.approx(3 / 1.5) and snap["dropped"] == 0
+    assert snap["per_rank"] == [4, 2] and snap["rank_imbalance"] == pytest.approx(4 / 3)
+    load.reset()
+    assert load.snapshot()["routed"] == 0
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_sparse_moe_layer_matches_the_reference(tokens):
+    """The layer (router, expert Linears, shared expert) against the per-token loop over
+    the same weights stacked."""
+    from tokenmill.layers.moe import MoEArgs, SparseMoE
+    from tokenmill.models.llama import LlamaArgs, LlamaMLP
+    g = torch.Generator().manual_seed(tokens)
+    hidden, inter, shared = 16, 24, 20
+    a = LlamaArgs(vocab_size=8, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
+                  rope_theta=1e4, rope_scaling=None, max_position_embeddings=16,
+                  tie_word_embeddings=False, attention_bias=False, mlp_bias=False)
+    moe = MoEArgs(num_experts=5, top_k=2, expert_intermediate_size=inter, renormalize=False,
+                  shared_expert_intermediate_size=shared)
+    layer = SparseMoE(hidden, moe, lambda i, tp, reduce: LlamaMLP(a, tp, i, reduce))
+    for p in layer.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    x = torch.randn(tokens, hidden, generator=g)
+    w13 = torch.stack([layer.experts[str(e)].gate_up_proj.weight for e in range(5)])
+    w2 = torch.stack([layer.experts[str(e)].down_proj.weight for e in range(5)])
+    weights, ids = route(layer.gate(x), 2, False)
+    se = layer.shared_expert
+    want = experts_reference(x, w13, w2, weights, ids) + torch.sigmoid(layer.shared_expert_gate(x)) * \
+        experts_reference(x, se.gate_up_proj.weight[None], se.down_proj.weight[None],
+                          torch.ones(tokens, 1), torch.zeros(tokens, 1, dtype=torch.long))
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)

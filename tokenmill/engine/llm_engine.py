@@ -16,7 +16,7 @@ from tokenmill.runner.worker import RankSpec
 from tokenmill.engine.stats import EngineStats, free_memory_bytes
 from tokenmill.kv.kv_cache_manager import PrefixCacheStats
 from tokenmill.models.hub import resolve_model
-from tokenmill.models.llama import check_tensor_parallel
+from tokenmill.models.registry import check_parallel_layout
 from tokenmill.models.loader import load_tokenizer, open_checkpoint
 from tokenmill.outputs import RequestOutput
 from tokenmill.platform import pick_device, resolve_dtype, set_num_threads
@@ -45,7 +45,8 @@ class LLMEngine:
         checkpoint = open_checkpoint(self.model_path)
         hf = checkpoint.hf_config
         self.max_model_len = _decide_max_model_len(mc.max_model_len, hf)
-        check_tensor_parallel(hf, pc.tensor_parallel_size)   # before any rank process starts
+        # before any rank process starts
+        check_parallel_layout(hf, pc.tensor_parallel_size, pc.enable_expert_parallel)
         self.tokenizer = None if mc.skip_tokenizer_init else load_tokenizer(self.model_path)
         torch.manual_seed(mc.seed)
         self.kv_dtype = kv_storage_dtype(cc.kv_cache_dtype, self.dtype)
@@ -85,7 +86,8 @@ class LLMEngine:
             attention_backend=mc.attention_backend, torch_compile=mc.torch_compile, seed=mc.seed,
             master_addr=pc.master_addr, master_port=pc.master_port,
             num_threads=self.num_threads, collective_timeout_s=pc.collective_timeout_s,
-            shm_collectives=pc.shm_collectives, speculative=self.config.speculative,
+            shm_collectives=pc.shm_collectives, expert_parallel=pc.enable_expert_parallel,
+            speculative=self.config.speculative,
             cache_dir=self.config.cache_dir)
 
     @property
@@ -130,10 +132,11 @@ class LLMEngine:
         self.scheduler.kv.prefix_stats = PrefixCacheStats()
         self.scheduler.num_preemptions = 0
         self.stats = EngineStats()
+        self.reset_expert_load()
         if self.spec_decoder is not None:
             self.spec_decoder.reset_stats()
         elif self.config.speculative is not None:
-            self.executor.spec_call("spec_reset")   # rank 0 of the workers
+            self.executor.rank0_call("spec_reset")   # rank 0 of the workers
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: SamplingParams,
@@ -216,8 +219,15 @@ class LLMEngine:
         if self.spec_decoder is not None:
             stats.update(self.spec_decoder.snapshot())
         elif self.config.speculative is not None:
-            stats.update(self.executor.spec_call("spec_snapshot"))
+            stats.update(self.executor.rank0_call("spec_snapshot"))
+        moe = self.executor.rank0_call("expert_load")
+        if moe is not None:
+            stats["moe"] = moe
         return stats
+
+    def reset_expert_load(self) -> None:
+        """Zero the MoE expert load counters (every rank's)."""
+        self.executor.rank0_call("expert_load_reset")
 
     def get_memory_stats(self) -> dict:
         """Bytes unless named otherwise. ``model_weights``: the loaded model's parameters and

@@ -11,7 +11,8 @@ Tensor parallelism (Megatron style), given a ``TPGroup``:
 - ``parallel="column"``: each rank holds a slice of the output features (of every fused
   shard); ``gather_output`` concatenates the ranks' outputs (the vocab-parallel LM head);
 - ``parallel="row"``: each rank holds a slice of the input features; the partial outputs
-  are summed by one all-reduce, then the bias is added once;
+  are summed by one all-reduce, then the bias is added once (``reduce_output=False``: the
+  caller sums several partial outputs first and reduces once, as MoE experts do);
 - ``shard_parts``: a fused shard split into fewer parts than ranks (KV heads replicated
   when ``tp > num_kv_heads``): name -> (number of parts, this rank's part).
 Parameter sizes are this rank's; ``weight_loader`` cuts the rank's piece out of the full
@@ -42,11 +43,15 @@ class Linear(nn.Module):
                  dtype: torch.dtype = torch.float32,
                  quant_method: Optional[LinearMethod] = None, *, tp: TPGroup = SINGLE,
                  parallel: Optional[str] = None, gather_output: bool = False,
-                 shard_parts: Optional[dict] = None) -> None:
+                 shard_parts: Optional[dict] = None, reduce_output: bool = True) -> None:
         super().__init__()
         if parallel not in (None, "column", "row"):
             raise ValueError(f"parallel must be None, 'column' or 'row', got {parallel!r}")
+        if bias and parallel == "row" and not reduce_output:
+            raise ValueError("a row-parallel layer that leaves the reduction to its caller "
+                             "cannot add its bias (every rank would add it)")
         self.tp, self.parallel, self.gather_output = tp, parallel, gather_output
+        self.reduce_output = reduce_output
         self.full_in_features, self.full_out_features = in_features, out_features
         if not hasattr(self, "shard_sizes"):   # MergedLinear sets its shards first
             self.shard_sizes, self.shard_names = [out_features], [None]
@@ -124,7 +129,10 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, in] -> [T, out]
         if self.parallel == "row" and self.tp.is_parallel:
-            y = self.tp.all_reduce(self.quant_method.apply(self, x, None))
+            y = self.quant_method.apply(self, x, None)
+            if not self.reduce_output:
+                return y
+            y = self.tp.all_reduce(y)
             return y if self.bias is None else y + self.bias
         y = self.quant_method.apply(self, x, self.bias)
         if self.gather_output and self.tp.is_parallel:

@@ -1,22 +1,54 @@
-"""Mixture-of-Experts building blocks: top-k routing, fused expert computation, load counts.
+"""Mixture-of-Experts: top-k routing, fused expert computation, expert parallelism, load counts.
 
 ``route``: softmax over the router logits, the top-k experts per token, weights optionally
-renormalised to sum to 1 (Mixtral, Qwen3-MoE, OLMoE: yes; Qwen2-MoE: its config says).
+renormalised to sum to 1 (Mixtral: always; Qwen2-MoE, Qwen3-MoE, OLMoE: ``norm_topk_prob``).
 
-``fused_experts``: instead of a Python loop over tokens (``experts_reference``, kept as the
-test reference), the (token, expert) pairs are sorted by expert, so each active expert runs
-one gate/up GEMM and one down GEMM over all its tokens; the outputs are scaled by the routing
+``combine_experts``: instead of a Python loop over tokens (``experts_reference``, kept as the
+test reference), the (token, slot) pairs are sorted by expert, so each active expert runs one
+gate/up GEMM and one down GEMM over all of its tokens; the outputs are scaled by the routing
 weights and summed back per token with one ``index_add_``.
 
-Weights are stacked per expert: ``w13`` [E, 2I, H] (gate rows then up rows, as the dense
-MLP's merged gate_up), ``w2`` [E, H, I].
+``SparseMoE`` is the layer: a float router (never quantized: a few hundred rows decide which
+weights run at all), experts as ordinary ``MergedLinear`` / ``Linear`` pairs (so int8, int4,
+FP8 and packed GGUF strategies apply to them unchanged), Qwen2-MoE's sigmoid-gated shared
+expert. Parallel layouts over the tensor-parallel group:
+- tensor parallel (default): every rank holds every expert's slice of FFN columns;
+- expert parallel (``expert_parallel=True``): every rank holds whole experts, a contiguous
+  share of them. Hidden states are replicated across the group after attention, so dispatch
+  needs no communication: each rank runs the tokens routed to its own experts.
+Either way the rank's partial sum (its experts or its columns, plus its shared-expert columns)
+is combined by one all-reduce per layer, the same collective a dense row-parallel FFN does.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.distributed.parallel_state import SINGLE, TPGroup, split_evenly
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """What a checkpoint's config says about its expert layers."""
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    renormalize: bool
+    shared_expert_intermediate_size: int = 0   # Qwen2-MoE: one always-on expert, sigmoid-gated
+    sparse_layers: tuple = ()                  # per layer: experts (True) or a dense MLP
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1:
+            raise ValueError(f"an MoE model needs at least one expert, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"experts per token must be in [1, {self.num_experts}], got {self.top_k}")
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.sparse_layers[layer] if self.sparse_layers else True
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,6 +63,36 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
+def combine_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    run_expert: Callable[[int, torch.Tensor], torch.Tensor],
+                    counts: list[int], local: Optional[range] = None) -> torch.Tensor:
+    """x [T, H] -> [T, H]: sum over each token's k experts of weight * run_expert(e, rows).
+    ``counts``: tokens per expert (``bincount`` of ``ids``); ``local``: the experts this rank
+    runs (expert parallel), the others' tokens are another rank's share of the sum."""
+    k = ids.shape[1]
+    out = torch.zeros_like(x)
+    if k == 1 or x.shape[0] == 1:
+        # Decode-sized steps: the sort would cost more than it saves.
+        for slot_token in range(ids.numel()):
+            t, j = divmod(slot_token, k)
+            e = int(ids[t, j])
+            if local is None or e in local:
+                y = run_expert(e, x[t:t + 1])
+                out[t:t + 1].add_(y * weights[t, j].to(x.dtype))
+        return out
+    order = torch.argsort(ids.reshape(-1), stable=True)   # (token, slot) pairs by expert
+    token_of = order // k
+    scale = weights.reshape(-1)[order].to(x.dtype).unsqueeze(-1)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count and (local is None or expert in local):
+            rows = token_of[start:start + count]
+            y = run_expert(expert, x.index_select(0, rows))
+            out.index_add_(0, rows, y * scale[start:start + count])
+        start += count
+    return out
+
+
 def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act) -> torch.Tensor:
     gate, up = F.linear(x, w13).chunk(2, dim=-1)
     return F.linear(act(gate) * up, w2)
@@ -38,23 +100,10 @@ def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act) -> to
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, act=F.silu) -> torch.Tensor:
-    """x [T, H] -> [T, H]: sum over each token's k experts of weight * expert(x)."""
-    num_tokens, k = ids.shape
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)              # (token, slot) pairs by expert
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    token_of = order // k                                  # which token each sorted pair is
-    scale = weights.reshape(-1)[order].to(x.dtype).unsqueeze(-1)
-    out = torch.zeros_like(x)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = token_of[start:start + count]
-        y = _expert_mlp(x.index_select(0, rows), w13[expert], w2[expert], act)
-        out.index_add_(0, rows, y * scale[start:start + count])
-        start += count
-    return out
+    """``combine_experts`` over stacked float weights ``w13`` [E, 2I, H] (gate rows then up
+    rows) and ``w2`` [E, H, I] (benchmarks and tests)."""
+    counts = torch.bincount(ids.reshape(-1), minlength=w13.shape[0]).tolist()
+    return combine_experts(x, weights, ids, lambda e, rows: _expert_mlp(rows, w13[e], w2[e], act), counts)
 
 
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -68,26 +117,101 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     return out
 
 
-@dataclass
 class ExpertLoad:
-    """Tokens routed to each expert of each MoE layer since the last reset."""
+    """Tokens routed to each expert of each MoE layer since the last reset, kept as one int64
+    tensor so recording a step is a single in-place add per layer. Nothing is ever dropped or
+    rerouted (no capacity limit), and ``dropped`` counts it to say so."""
 
-    num_layers: int
-    num_experts: int
-    counts: list = field(default_factory=list)   # [layer][expert]
+    def __init__(self, num_layers: int, num_experts: int) -> None:
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64)
+        self.dropped = 0
 
-    def __post_init__(self) -> None:
-        if not self.counts:
-            self.counts = [[0] * self.num_experts for _ in range(self.num_layers)]
+    def record(self, layer: int, per_expert: torch.Tensor) -> None:
+        self.counts[layer].add_(per_expert)
 
-    def record(self, layer: int, ids: torch.Tensor) -> None:
-        per_expert = torch.bincount(ids.reshape(-1), minlength=self.num_experts).tolist()
-        row = self.counts[layer]
-        for e, n in enumerate(per_expert):
-            row[e] += n
+    def reset(self) -> None:
+        self.counts.zero_()
+        self.dropped = 0
 
-    def imbalance(self, layer: int) -> float:
-        """max / mean tokens per expert (1.0 = perfectly even; 0.0 before any token)."""
-        row = self.counts[layer]
-        mean = sum(row) / len(row)
-        return max(row) / mean if mean else 0.0
+    def snapshot(self, ranks: Optional[list[range]] = None) -> dict:
+        """Plain numbers: counts per layer and expert, the routed total, imbalance (max / mean)
+        per layer; with expert parallelism (``ranks``: each rank's experts) the (token, expert)
+        pairs each rank computed, summed over layers, and their imbalance."""
+        counts = self.counts.tolist()
+        out = {"num_layers": self.num_layers, "num_experts": self.num_experts, "counts": counts,
+               "routed": sum(map(sum, counts)), "dropped": self.dropped,
+               "imbalance": [imbalance(row) for row in counts]}
+        if ranks is not None:
+            per_rank = [sum(row[e] for row in counts for e in experts) for experts in ranks]
+            out.update(per_rank=per_rank, rank_imbalance=imbalance(per_rank))
+        return out
+
+
+def imbalance(row: Iterable[int]) -> float:
+    """max / mean tokens per expert (1.0 = perfectly even; 0.0 before any token)."""
+    row = list(row)
+    mean = sum(row) / len(row) if row else 0
+    return max(row) / mean if mean else 0.0
+
+
+def expert_shards(num_experts: int, size: int) -> list[range]:
+    """Expert ids each rank of an expert-parallel group holds (contiguous, equal shares)."""
+    per_rank = split_evenly(num_experts, size, "experts")
+    return [range(r * per_rank, (r + 1) * per_rank) for r in range(size)]
+
+
+class Router(nn.Module):
+    """logits = x W^T, W [num_experts, hidden]: replicated on every rank, kept float."""
+
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class SharedExpertGate(Router):
+    """Qwen2-MoE: one logit per token (weight [1, hidden]); sigmoid scales the shared expert."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__(hidden, 1)
+
+
+class SparseMoE(nn.Module):
+    """Router + experts (+ shared expert) of one decoder layer. ``make_mlp(intermediate, tp,
+    reduce)`` builds one gated MLP (the model's own, so names match its checkpoint)."""
+
+    def __init__(self, hidden: int, moe: MoEArgs, make_mlp: Callable[..., nn.Module],
+                 tp: TPGroup = SINGLE, expert_parallel: bool = False) -> None:
+        super().__init__()
+        self.tp, self.expert_parallel = tp, expert_parallel
+        self.num_experts, self.top_k, self.renormalize = moe.num_experts, moe.top_k, moe.renormalize
+        self.gate = Router(hidden, moe.num_experts)
+        self.local = expert_shards(moe.num_experts, tp.size)[tp.rank] if expert_parallel else None
+        expert_tp = SINGLE if expert_parallel else tp
+        # Experts another rank holds are left out of this rank's module list, so their
+        # checkpoint tensors are skipped (``skips_checkpoint_tensor``) and never read.
+        self.experts = nn.ModuleDict({
+            str(e): make_mlp(moe.expert_intermediate_size, expert_tp, False)
+            for e in (self.local if expert_parallel else range(moe.num_experts))})
+        self._by_id = {int(e): m for e, m in self.experts.items()}
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_expert_intermediate_size:
+            self.shared_expert = make_mlp(moe.shared_expert_intermediate_size, tp, False)
+            self.shared_expert_gate = SharedExpertGate(hidden)
+        self.load: Optional[ExpertLoad] = None   # set by the model: shared by its MoE layers
+        self.load_index = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, hidden]
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        per_expert = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+        if self.load is not None:
+            self.load.record(self.load_index, per_expert)
+        by_id = self._by_id
+        out = combine_experts(x, weights, ids, lambda e, rows: by_id[e](rows),
+                              per_expert.tolist(), self.local)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.tp.all_reduce(out) if self.tp.is_parallel else out

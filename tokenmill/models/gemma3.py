@@ -118,9 +118,13 @@ class Gemma3ForCausalLM(nn.Module):
 
     num_kv_heads = LlamaForCausalLM.num_kv_heads
 
+    @classmethod
+    def make_args(cls, hf_config: dict) -> Gemma3Args:
+        return Gemma3Args.from_gemma(hf_config)
+
     def __init__(self, hf_config: dict, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.args = Gemma3Args.from_gemma(hf_config)
+        self.args = self.make_args(hf_config)
         self.tp = tp
         self.model = Gemma3Model(self.args, tp)
         self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size, tp=tp,

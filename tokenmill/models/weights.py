@@ -19,6 +19,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(getattr(model, "args", None), "tie_word_embeddings", False)
     stacked = getattr(model, "stacked_params", {})
+    skips = getattr(model, "skips_checkpoint_tensor", None)   # another rank's experts
     expected = _expected_sources(params, stacked, tied)
     seen: set[str] = set()
     for name, tensor in tensors:
@@ -26,6 +27,8 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
             continue
         if tied and name == "lm_head.weight":
             continue   # tied head: the embedding is the head
+        if skips is not None and skips(name):
+            continue
         target, shard = _target(name, stacked)
         param = params.get(target)
         if param is None:

@@ -51,6 +51,9 @@ class InProcessExecutor:
     def release(self, req_ids) -> None:
         self.worker.runner.release(req_ids)
 
+    def rank0_call(self, kind: str):
+        return self.worker.handle(kind, None)
+
     def memory(self) -> list[dict]:
         return [self.worker.memory()]
 
@@ -97,8 +100,9 @@ class MultiprocExecutor:
     def init_cache(self, num_blocks: int, block_size: int) -> int:
         return self._all("init_cache", (num_blocks, block_size))[0]
 
-    def spec_call(self, kind: str):
-        """Rank 0's answer to "spec_snapshot" / "spec_reset" (the others answer None)."""
+    def rank0_call(self, kind: str):
+        """Rank 0's answer to a stats request ("spec_snapshot", "expert_load", ...); every
+        rank handles it (resets reach all), the others' answers are dropped."""
         return self._all(kind, None)[0]
 
     def execute(self, so):

@@ -173,7 +173,7 @@ def _plain_llama_stack(model: nn.Module) -> bool:
         return False
     a0, n0 = layers[0].self_attn, layers[0].input_layernorm
     for layer in layers:
-        a, m = layer.self_attn, layer.mlp
+        a, m = layer.self_attn, getattr(layer, "mlp", None)   # Mixtral's is block_sparse_moe
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if not (type(layer) is LlamaDecoderLayer and type(a) is LlamaAttention and type(m) is LlamaMLP
                 and all(type(n) is RMSNorm and n.eps == n0.eps and _fp32_cpu(n.weight) for n in norms)

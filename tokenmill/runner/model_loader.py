@@ -21,7 +21,7 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
                 max_model_len: int, quantization: Optional[str] = None,
                 quant_activations: str = "fp32",
                 cpu_weight_prepack: bool = False, cpu_kernels: bool = True,
-                tp: TPGroup = SINGLE) -> torch.nn.Module:
+                tp: TPGroup = SINGLE, expert_parallel: bool = False) -> torch.nn.Module:
     """``quantization``: None / "int8" / "int4[-gN]" / "fp8" / "gguf"; a quantized
     checkpoint (GPTQ, AWQ, FP8 config) brings its own scheme. ``quant_activations``: "fp32"
     / "q8" for the packed linears' matmuls. ``cpu_kernels``: the fused C kernels where
@@ -30,13 +30,14 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     (layers/prepacked.py), and packed int8 / int4 linears with q8 activations a tiled copy
     for the tiled q8 GEMM (layers/quant/qgemm.py); ``model.prepacked_bytes`` says what it added.
     ``tp``: this rank's tensor-parallel group; each parameter loads only its piece (safetensors
-    are read lazily, slice by slice)."""
+    are read lazily, slice by slice). ``expert_parallel``: an MoE model's experts are split
+    whole over the ranks of ``tp``."""
     cfg = dict(checkpoint.hf_config)
     # RoPE tables only need to cover the context we serve.
     cfg["max_position_embeddings"] = max(max_model_len, 1)
     cls = model_class(cfg)
     with torch.device(device):
-        model = cls(cfg, tp)
+        model = cls(cfg, tp, expert_parallel=True) if expert_parallel else cls(cfg, tp)
     spec = resolve_quant_spec(quantization, checkpoint)
     plan = attach_quantization(model, spec)   # strategies create their parameters
     load_weights(model, checkpoint_tensors(checkpoint, spec, plan, lazy=tp.is_parallel))

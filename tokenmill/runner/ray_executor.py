@@ -104,7 +104,7 @@ class RayExecutor:
     def init_cache(self, num_blocks: int, block_size: int) -> int:
         return self._call_all("init_cache", (num_blocks, block_size))[0]
 
-    def spec_call(self, kind: str):
+    def rank0_call(self, kind: str):
         return self._call_all(kind, None)[0]
 
     def execute(self, so):

@@ -45,6 +45,7 @@ class RankSpec:
     num_threads: int = 1
     collective_timeout_s: float = 120.0
     shm_collectives: bool = True
+    expert_parallel: bool = False
     # Speculative decoding runs on rank 0 only (drafts reach every rank through the
     # scheduler); with TP > 1 only collective-free proposers (ngram) are allowed.
     speculative: Optional[SpeculativeConfig] = None
@@ -92,7 +93,8 @@ class RankWorker:
                                  s.max_model_len, quantization=s.quantization,
                                  quant_activations=s.quant_activations,
                                  cpu_weight_prepack=s.cpu_weight_prepack,
-                                 cpu_kernels=s.cpu_kernels, tp=self.tp)
+                                 cpu_kernels=s.cpu_kernels, tp=self.tp,
+                                 expert_parallel=s.expert_parallel)
         a = self.model.args
         return RankInfo(rank=s.rank, vocab_size=a.vocab_size, num_layers=a.num_hidden_layers,
                         head_dim=a.head_dim, num_kv_heads=self.model.num_kv_heads,
@@ -142,6 +144,14 @@ class RankWorker:
             return True
         if kind == "memory":
             return self.memory()
+        if kind in ("expert_load", "expert_load_reset"):
+            load = getattr(self.model, "expert_load", None)
+            if load is None:
+                return None
+            if kind == "expert_load_reset":
+                load.reset()
+                return True
+            return load.snapshot(self.model.expert_ranks)
         raise ValueError(f"unknown worker request {kind!r}")
 
 
