@@ -1,4 +1,4 @@
-"""`tokenmill` command line: generate, chat, pull."""
+"""`tokenmill` command line: generate, chat, pull, upcycle."""
 from __future__ import annotations
 
 import argparse
@@ -80,6 +80,9 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--router", choices=["prefix", "round_robin"], default="prefix",
                    help="how requests pick a data-parallel replica: prefix = requests sharing "
                         "their first KV blocks go to the same one (its prefix cache hits)")
+    g.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: shard whole experts over the tensor-parallel ranks instead "
+                        "of slicing every expert (attention stays split by heads)")
     g.add_argument("--ray-address", default=None,
                    help="Ray cluster to join ('auto' = the one `ray start` runs here; default: "
                         "start a local one)")
@@ -115,7 +118,8 @@ def _make_llm(args):
                tensor_parallel_size=args.tensor_parallel_size,
                data_parallel_size=args.data_parallel_size,
                distributed_executor_backend=args.distributed_executor_backend,
-               router=args.router, ray_address=args.ray_address)
+               router=args.router, ray_address=args.ray_address,
+               enable_expert_parallel=args.enable_expert_parallel)
 
 
 def _json_arg(flag: str, text):
@@ -210,6 +214,34 @@ def cmd_pull(args) -> int:
     return 0
 
 
+def cmd_upcycle(args) -> int:
+    import logging
+    from tokenmill.models.upcycle import UpcycleConfig, upcycle
+    from tokenmill.utils.progress import BarProgress
+    config = UpcycleConfig(num_experts=args.experts, top_k=args.top_k, perturb=args.perturb,
+                           seed=args.seed, dtype=args.dtype, force=args.force)
+    progress = BarProgress(logging.getLogger("tokenmill.cli"), sys.stderr)
+    print(upcycle(args.model, args.out, config, cache_dir=_default_cache_dir(), progress=progress).line())
+    return 0
+
+
+def _add_upcycle_parser(sub) -> None:
+    u = sub.add_parser("upcycle", help="make a Mixtral-format MoE checkpoint from a dense Llama model",
+                       description="Every expert starts as a copy of the dense FFN; with --perturb 0 "
+                                   "the MoE computes exactly the dense model.")
+    u.add_argument("model", metavar="MODEL", help="model name, HF directory or .gguf file (Llama architecture)")
+    u.add_argument("out", metavar="OUT", help="output directory (HF Mixtral checkpoint)")
+    u.add_argument("--experts", type=int, required=True, help="experts per layer")
+    u.add_argument("--top-k", type=int, required=True, help="experts per token, in [1, --experts]")
+    u.add_argument("--perturb", type=float, default=0.0,
+                   help="scale each expert weight by (1 + p * N(0,1)), seeded per expert (0: identical experts)")
+    u.add_argument("--seed", type=int, default=0, help="seed of the routers and the expert noise")
+    u.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="written tensors (auto: the source's; float32 for a GGUF)")
+    u.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    u.set_defaults(func=cmd_upcycle)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -239,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_quant_parsers(sub)
     from tokenmill.entrypoints.cli_env import add_env_parser
     add_env_parser(sub)
+    _add_upcycle_parser(sub)
     return parser
 
 

@@ -30,7 +30,7 @@ class LLM:
                  cpu_weight_prepack: bool = True, cpu_kernels: bool = True,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  distributed_executor_backend: str = "mp", router: str = "prefix",
-                 ray_address: Optional[str] = None) -> None:
+                 ray_address: Optional[str] = None, enable_expert_parallel: bool = False) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               skip_tokenizer_init=skip_tokenizer_init,
@@ -53,7 +53,8 @@ class LLM:
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
                                     data_parallel_size=data_parallel_size,
                                     distributed_executor_backend=distributed_executor_backend,
-                                    router=router, ray_address=ray_address))
+                                    router=router, ray_address=ray_address,
+                                    enable_expert_parallel=enable_expert_parallel))
         # data_parallel_size > 1: a DataParallelEngine (same surface) over replica processes
         self.engine = create_engine(config)
         self.engine.warmup()   # one-time costs now, not in the first request
