@@ -99,7 +99,10 @@ def test_missing_file_and_unsupported_content(tmp_path):
     with pytest.raises(CheckpointError, match="architecture 'mamba'"):
         open_checkpoint(path)
     path = _write(tmp_path, gguf_bytes(kvs=[_kv("tokenizer.ggml.model", 8, _str("llama"))]))
-    with pytest.raises(CheckpointError, match="SentencePiece"):
+    with pytest.raises(CheckpointError, match="tokenizer.ggml.tokens"):   # SentencePiece, but no vocabulary
+        load_tokenizer(path)
+    path = _write(tmp_path, gguf_bytes(kvs=[_kv("tokenizer.ggml.model", 8, _str("t5"))]))
+    with pytest.raises(CheckpointError, match="tokenizer model 't5'.*not supported"):
         load_tokenizer(path)
 
 

@@ -1,11 +1,13 @@
 """Build a Tokenizer from GGUF ``tokenizer.*`` metadata.
 
-Two families: byte-level BPE ("gpt2" model) and Gemma's SentencePiece-style BPE ("llama"
-model in a gemma* file). The result must encode and decode exactly like transformers' GGUF
+Two families: byte-level BPE ("gpt2" model) and SentencePiece BPE ("llama" model: Llama-2,
+Mistral, Mixtral, TinyLlama, Gemma). The result must encode and decode like the model's own
 tokenizer: for "gpt2" a BPE over the GPT-2 byte alphabet with the split regex llama.cpp
-names in ``tokenizer.ggml.pre``; for Gemma a BPE over "▁"-for-space text with byte
-fallback, whose merges are implied by the vocabulary. Either way the tokens typed
-CONTROL / USER_DEFINED are added whole so they are never cut into pieces.
+names in ``tokenizer.ggml.pre``; for "llama" a BPE over "▁"-for-space text with byte
+fallback, whose merges are implied by the vocabulary (llama.cpp's SPM tokenizer and
+sentencepiece merge the adjacent pair whose union is the best-ranked piece, which is what a
+BPE with one merge per split of each piece, in piece rank order, does). Either way the tokens
+typed CONTROL / USER_DEFINED are added whole so they are never cut into pieces.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from ...tokenizer import Tokenizer
 from .errors import CheckpointError
 from .gguf_reader import GGUFFile
 
-TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED = 1, 2, 3, 4
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 
 # Split regexes of the BPE families whose llama.cpp `pre` name is not plain GPT-2.
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
@@ -93,29 +95,70 @@ def _spm_vocab(tokens: list[str]) -> list[str]:
     return [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
 
 
-def _implied_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
-    """Merges a SentencePiece-BPE vocabulary implies: every split of a token into two
-    tokens, ranked by the token's id (file order is Gemma's merge order, its scores are
-    not), and within one token the longer left piece first -- transformers' order."""
-    merges, known = [], vocab.__contains__   # hot loop over ~1M splits: keep it lean
-    for token in sorted(vocab, key=vocab.__getitem__):
+def _implied_merges(ranked: list[str]) -> list[tuple[str, str]]:
+    """Merges a SentencePiece-BPE vocabulary implies: every split of a piece into two pieces
+    of ``ranked``, in the order of ``ranked`` (best piece first), and within one piece the
+    longer left part first -- transformers' order."""
+    merges, known = [], set(ranked).__contains__   # hot loop over ~1M splits: keep it lean
+    for token in ranked:
         merges.extend((token[:cut], token[cut:]) for cut in range(len(token) - 1, 0, -1)
                       if known(token[:cut]) and known(token[cut:]))
     return merges
 
 
-def _gemma_backend(tokens: list[str], unk: str) -> BackendTokenizer:
+_MERGEABLE = (TOKEN_NORMAL, TOKEN_USER_DEFINED, TOKEN_UNUSED)
+
+
+def _spm_ranked(tokens: list[str], types: list[int], scores: list[float], gemma: bool) -> list[str]:
+    """The pieces merges may build, best first.
+
+    Gemma's file order is its merge order (its scores are not) and every entry takes part.
+    Llama-style files rank by score, as sentencepiece and llama.cpp do (ties: lower id).
+    Control, unknown and byte pieces are never built out of text; UNUSED ones are, as in
+    llama.cpp (sentencepiece builds them too but splits a survivor back into its parts,
+    which a BPE cannot express).
+    """
+    if gemma:
+        vocab = {t: i for i, t in enumerate(tokens)}  # on a clash the later id wins, as in HF
+        return sorted(vocab, key=vocab.__getitem__)
+    order = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))
+    return list(dict.fromkeys(tokens[i] for i in order if types[i] in _MERGEABLE))
+
+
+def _spm_backend(tokens: list[str], merges: list[tuple[str, str]], unk: Optional[str],
+                 add_space_prefix: bool) -> BackendTokenizer:
     vocab: dict[str, int] = {}
-    for index, token in enumerate(_spm_vocab(tokens)):
+    for index, token in enumerate(tokens):
         vocab[token] = index  # on a clash the later id wins, as in HF
-    bpe = models.BPE(vocab=vocab, merges=_implied_merges(vocab), fuse_unk=True, unk_token=unk,
-                     byte_fallback=True)
+    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=unk, byte_fallback=True)
     backend = BackendTokenizer(bpe)
-    backend.normalizer = normalizers.Replace(" ", SPIECE_SPACE)
-    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    # No pre-tokenizer: sentencepiece merges across the whole text (whitespace-only pieces
+    # such as "▁▁▁" exist). Each text segment between special tokens gets the dummy-prefix
+    # space, as llama.cpp does after every special token.
+    prefix = [normalizers.Prepend(SPIECE_SPACE)] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", SPIECE_SPACE)])
+    strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []  # drop the dummy prefix again
     backend.decoder = decoders.Sequence([decoders.Replace(SPIECE_SPACE, " "), decoders.ByteFallback(),
-                                         decoders.Fuse()])
+                                         decoders.Fuse(), *strip])
     return backend
+
+
+def _llama_backend(md: dict[str, Any], tokens: list[str], types: list[int], unk_id: Optional[int],
+                   gemma: bool, path: str) -> BackendTokenizer:
+    scores = md.get("tokenizer.ggml.scores")
+    if scores is None:
+        scores = [0.0] * len(tokens)  # llama.cpp's default: merge order falls back to ids
+    if (not isinstance(scores, list) or len(scores) != len(tokens)
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in scores)):
+        raise CheckpointError(f"{path}: tokenizer.ggml.scores must be {len(tokens)} numbers")
+    if unk_id is None:  # no named unk: the first UNKNOWN-typed token, else none at all
+        unk_id = next((i for i, k in enumerate(types) if k == TOKEN_UNKNOWN), None)
+    unk = tokens[unk_id] if unk_id is not None else None
+    vocab = _spm_vocab(tokens) if gemma else tokens
+    merges = _implied_merges(_spm_ranked(vocab, types, scores, gemma))
+    # llama.cpp: the dummy prefix is on unless the file says otherwise; Gemma never had it
+    add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", not gemma))
+    return _spm_backend(vocab, merges, unk, add_space_prefix)
 
 
 def _add_special_tokens(backend: BackendTokenizer, tokens: list[str], types: list[int], named_ids: list[int],
@@ -157,12 +200,12 @@ def gguf_tokenizer(gguf: GGUFFile) -> Tokenizer:
     md, path = gguf.metadata, gguf.path
     kind = md.get("tokenizer.ggml.model")
     arch = md.get("general.architecture")
-    gemma = kind == "llama" and isinstance(arch, str) and arch.startswith("gemma")
-    if kind != "gpt2" and not gemma:
+    if kind not in ("gpt2", "llama"):
         raise CheckpointError(
             f"{path}: GGUF tokenizer model {kind!r} (architecture {arch!r}) is not supported yet "
-            "(supported: byte-level BPE 'gpt2', and Gemma's SentencePiece-style 'llama')"
+            "(supported: byte-level BPE 'gpt2' and SentencePiece BPE 'llama')"
         )
+    gemma = kind == "llama" and isinstance(arch, str) and arch.startswith("gemma")
     tokens = _string_list(md, "tokenizer.ggml.tokens", path, required=True)
     types = md.get("tokenizer.ggml.token_type") or [TOKEN_NORMAL] * len(tokens)
     if not isinstance(types, list) or len(types) != len(tokens):
@@ -171,8 +214,8 @@ def gguf_tokenizer(gguf: GGUFFile) -> Tokenizer:
            for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"),
                              ("unk", "unknown_token_id"), ("pad", "padding_token_id"))}
     named = [i for i in ids.values() if i is not None]
-    if gemma:
-        backend = _gemma_backend(tokens, tokens[ids["unk"]] if ids["unk"] is not None else "<unk>")
+    if kind == "llama":
+        backend = _llama_backend(md, tokens, types, ids["unk"], gemma, path)
         _add_special_tokens(backend, tokens, types, named, byte_level=False)
     else:
         merges = _string_list(md, "tokenizer.ggml.merges", path, required=True)
@@ -186,7 +229,7 @@ def gguf_tokenizer(gguf: GGUFFile) -> Tokenizer:
         pad_token_id=ids["pad"],
         unk_token_id=ids["unk"],
         # SentencePiece vocabularies want BOS unless the file says otherwise (llama.cpp, HF)
-        add_bos_token=bool(md.get("tokenizer.ggml.add_bos_token", gemma)),
+        add_bos_token=bool(md.get("tokenizer.ggml.add_bos_token", kind == "llama")),
         add_eos_token=bool(md.get("tokenizer.ggml.add_eos_token", False)),
         chat_template=template if isinstance(template, str) else None,
     )
