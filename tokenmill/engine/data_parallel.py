@@ -26,6 +26,7 @@ from tokenmill.distributed import serial
 from tokenmill.engine.replica import (REMOTE_ERRORS, ProcessReplicas, error_output,
                                            replica_config)
 from tokenmill.distributed.router import make_router
+from tokenmill.utils.moe_stats import merge_expert_loads
 from tokenmill.engine import snapshot
 from tokenmill.engine.processor import Processor, PromptType
 from tokenmill.outputs import RequestOutput
@@ -365,6 +366,9 @@ def aggregate_stats(per_replica: list[dict], router: str) -> dict:
                  if k.startswith("spec_num_") and isinstance(v, int) and not isinstance(v, bool)}
     for key in sorted(spec_keys):
         total[key] = sum(s.get(key, 0) for s in per_replica)
+    moe = merge_expert_loads([s["moe"] for s in per_replica if s.get("moe")])
+    if moe is not None:
+        total["moe"] = moe
     total.update(data_parallel_size=len(per_replica), router=router, replicas=per_replica)
     return total
 

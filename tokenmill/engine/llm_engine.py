@@ -75,6 +75,7 @@ class LLMEngine:
         self.processor = Processor(self.tokenizer, self.max_model_len, self.vocab_size)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
+        self._expert_load_cache: Optional[tuple] = None   # (monotonic time, snapshot)
 
     def _rank_spec(self) -> RankSpec:
         mc, pc = self.config.model, self.config.parallel
@@ -220,14 +221,24 @@ class LLMEngine:
             stats.update(self.spec_decoder.snapshot())
         elif self.config.speculative is not None:
             stats.update(self.executor.rank0_call("spec_snapshot"))
-        moe = self.executor.rank0_call("expert_load")
+        moe = self.expert_load()
         if moe is not None:
             stats["moe"] = moe
         return stats
 
+    def expert_load(self, max_age_s: float = 0.0) -> Optional[dict]:
+        """MoE routing counts (``ExpertLoad.snapshot``), None for a dense model. With
+        ``max_age_s`` a reading that recent is reused: with worker ranks each is a round trip."""
+        now = time.monotonic()
+        cached = self._expert_load_cache
+        if cached is None or now - cached[0] > max_age_s:
+            cached = self._expert_load_cache = (now, self.executor.rank0_call("expert_load"))
+        return cached[1]
+
     def reset_expert_load(self) -> None:
         """Zero the MoE expert load counters (every rank's)."""
         self.executor.rank0_call("expert_load_reset")
+        self._expert_load_cache = None
 
     def get_memory_stats(self) -> dict:
         """Bytes unless named otherwise. ``model_weights``: the loaded model's parameters and

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from tokenmill.distributed import serial
+from tokenmill.utils.moe_stats import merge_expert_loads
 
 
 @serial.register
@@ -30,6 +31,7 @@ class EngineSnapshot:
     new_queue_times: tuple = ()          # seconds, requests finished since the last snapshot
     spec_decode: Optional[dict] = None   # cumulative speculative counters (None: no speculation)
     new_spec_requests: tuple = ()        # RequestSpecStats of requests finished since the last one
+    expert_load: Optional[dict] = None   # cumulative MoE routing counts (None: a dense model)
 
 
 @dataclass
@@ -59,7 +61,9 @@ def snapshot_counters(engine, cursor: SnapshotCursor) -> EngineSnapshot:
         prefix_cache_queries=sched.kv.prefix_stats.num_queries,
         prefix_cache_hits=sched.kv.prefix_stats.num_hits,
         new_queue_times=new_queue_times, spec_decode=spec_counters,
-        new_spec_requests=new_spec)
+        new_spec_requests=new_spec,
+        # at most a second old: with worker ranks each reading is a round trip
+        expert_load=engine.expert_load(max_age_s=1.0))
 
 
 def merge_snapshots(snapshots: list[EngineSnapshot]) -> EngineSnapshot:
@@ -74,6 +78,7 @@ def merge_snapshots(snapshots: list[EngineSnapshot]) -> EngineSnapshot:
     total.new_queue_times = tuple(q for s in snapshots for q in s.new_queue_times)
     total.new_spec_requests = tuple(r for s in snapshots for r in s.new_spec_requests)
     total.spec_decode = merge_spec_counters([s.spec_decode for s in snapshots if s.spec_decode])
+    total.expert_load = merge_expert_loads([s.expert_load for s in snapshots if s.expert_load])
     return total
 
 

@@ -6,7 +6,7 @@ renormalised to sum to 1 (Mixtral: always; Qwen2-MoE, Qwen3-MoE, OLMoE: ``norm_t
 ``combine_experts``: instead of a Python loop over tokens (``experts_reference``, kept as the
 test reference), the (token, slot) pairs are sorted by expert, so each active expert runs one
 gate/up GEMM and one down GEMM over all of its tokens; the outputs are scaled by the routing
-weights and summed back per token with one ``index_add_``.
+weights and summed back per token.
 
 ``SparseMoE`` is the layer: a float router (never quantized: a few hundred rows decide which
 weights run at all), experts as ordinary ``MergedLinear`` / ``Linear`` pairs (so int8, int4,
@@ -22,13 +22,14 @@ is combined by one all-reduce per layer, the same collective a dense row-paralle
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.parallel_state import SINGLE, TPGroup, split_evenly
+from tokenmill.utils.moe_stats import imbalance
 
 
 @dataclass(frozen=True)
@@ -70,9 +71,9 @@ def combine_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     ``counts``: tokens per expert (``bincount`` of ``ids``); ``local``: the experts this rank
     runs (expert parallel), the others' tokens are another rank's share of the sum."""
     k = ids.shape[1]
-    out = torch.zeros_like(x)
-    if k == 1 or x.shape[0] == 1:
-        # Decode-sized steps: the sort would cost more than it saves.
+    if x.shape[0] == 1:
+        # A decode step of one sequence: the sort would cost more than it saves.
+        out = torch.zeros_like(x)
         for slot_token in range(ids.numel()):
             t, j = divmod(slot_token, k)
             e = int(ids[t, j])
@@ -82,15 +83,16 @@ def combine_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         return out
     order = torch.argsort(ids.reshape(-1), stable=True)   # (token, slot) pairs by expert
     token_of = order // k
-    scale = weights.reshape(-1)[order].to(x.dtype).unsqueeze(-1)
+    # Expert outputs land in sorted order, go back to (token, slot) order with one copy, and
+    # each token's k rows are weighted and summed: no scatter-add, the same sum every run.
+    by_expert = x.new_zeros(ids.numel(), x.shape[1]) if local is not None else x.new_empty(ids.numel(), x.shape[1])
     start = 0
     for expert, count in enumerate(counts):
         if count and (local is None or expert in local):
-            rows = token_of[start:start + count]
-            y = run_expert(expert, x.index_select(0, rows))
-            out.index_add_(0, rows, y * scale[start:start + count])
+            by_expert[start:start + count] = run_expert(expert, x.index_select(0, token_of[start:start + count]))
         start += count
-    return out
+    by_slot = torch.empty_like(by_expert).index_copy_(0, order, by_expert)
+    return torch.einsum("tkh,tk->th", by_slot.view(-1, k, x.shape[1]), weights.to(x.dtype))
 
 
 def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act) -> torch.Tensor:
@@ -146,13 +148,6 @@ class ExpertLoad:
             per_rank = [sum(row[e] for row in counts for e in experts) for experts in ranks]
             out.update(per_rank=per_rank, rank_imbalance=imbalance(per_rank))
         return out
-
-
-def imbalance(row: Iterable[int]) -> float:
-    """max / mean tokens per expert (1.0 = perfectly even; 0.0 before any token)."""
-    row = list(row)
-    mean = sum(row) / len(row) if row else 0
-    return max(row) / mean if mean else 0.0
 
 
 def expert_shards(num_experts: int, size: int) -> list[range]:
