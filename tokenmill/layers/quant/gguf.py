@@ -2,7 +2,8 @@
 
 Q4_0 / Q4_1 nibbles are already in our int4 layout, so repacking copies bytes and turns the
 fp16 block fields into float32 scales / mins (Q4_0: min = -8 * d); Q8_0 becomes int8 values
-with per-block scales. Rows keep the same fix-up (llama q/k RoPE order) as the float path.
+with per-block scales. Rows keep the same fix-up (llama q/k RoPE order) as the float path,
+and a stacked expert tensor is repacked one expert (one HF weight name) at a time.
 """
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ PACKABLE = ("Q8_0", "Q4_0", "Q4_1")
 def tensor_types(checkpoint) -> dict[str, str]:
     """HF weight name -> GGML type name, for every tensor HF has a parameter for."""
     arch = gguf_llama.architecture(checkpoint.gguf)
+    num_experts = gguf_llama.num_experts(checkpoint.hf_config)
     types = {}
     for gguf_name, info in checkpoint.gguf.tensors.items():
-        name = gguf_llama.hf_name(gguf_name, arch)
-        if name is not None:
+        for name, _ in gguf_llama.hf_names(gguf_name, arch, num_experts):
             types[name] = info.type_name
     return types
 
@@ -52,31 +53,27 @@ def iter_tensors(checkpoint, plan: dict[str, tuple[list[str], bool]],
     ``{prefix}.qweight`` / ``.scales`` / ``.mins`` for every target prefix, plus the float
     tensor when something (a tied embedding) still needs it (lazy: as a LazyTensor)."""
     gguf, cfg = checkpoint.gguf, checkpoint.hf_config
-    arch = gguf_llama.architecture(gguf)
+    arch, num_experts = gguf_llama.architecture(gguf), gguf_llama.num_experts(cfg)
     for gguf_name, info in gguf.tensors.items():
-        name = gguf_llama.hf_name(gguf_name, arch)
-        targets, also_float = plan.get(name, ([], True))
-        if also_float and lazy:
-            converted = gguf_llama.lazy_hf_tensor(gguf, cfg, gguf_name)
-            if converted is not None:
-                yield converted
-        elif also_float:
-            converted = gguf_llama.hf_tensor(gguf, cfg, gguf_name)
-            if converted is not None:
-                yield converted[0], torch.from_numpy(converted[1])
-        if not targets:
-            continue
-        parts = repack(gguf.raw(gguf_name), info.type_name, info.shape)
-        parts = {key: _fix_rows(gguf_name, arch, cfg, value) for key, value in parts.items()}
-        for prefix in targets:
-            for key, value in parts.items():
-                yield f"{prefix}.{key}", torch.from_numpy(np.ascontiguousarray(value))
+        parts = gguf_llama.hf_names(gguf_name, arch, num_experts)
+        floats = {name for name, _ in parts if plan.get(name, ([], True))[1]}
+        if floats:
+            convert = gguf_llama.lazy_hf_tensors if lazy else _float_tensors
+            yield from ((name, t) for name, t in convert(gguf, cfg, gguf_name) if name in floats)
+        heads = gguf_llama.rope_heads(arch, cfg, gguf_name)
+        for name, expert in parts:
+            targets = plan.get(name, ([], True))[0]
+            if not targets:
+                continue
+            raw, shape = gguf_llama.raw_part(gguf, gguf_name, expert)
+            packed = repack(raw, info.type_name, shape)
+            if heads:  # the q/k row un-permutation of the float path, on packed rows
+                packed = {key: gguf_llama.unpermute_rope_rows(value, heads) for key, value in packed.items()}
+            for prefix in targets:
+                for key, value in packed.items():
+                    yield f"{prefix}.{key}", torch.from_numpy(np.ascontiguousarray(value))
 
 
-def _fix_rows(gguf_name: str, arch: str, cfg: dict, values: np.ndarray) -> np.ndarray:
-    """The q/k row un-permutation of ``gguf_llama.hf_tensor``, applied to packed rows."""
-    kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
-    if gguf_llama.ARCHS[arch].permuted_qk and kind in ("attn_q", "attn_k"):
-        heads = cfg["num_attention_heads"] if kind == "attn_q" else cfg["num_key_value_heads"]
-        return gguf_llama.unpermute_rope_rows(values, heads)
-    return values
+def _float_tensors(gguf, cfg: dict, gguf_name: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, values in gguf_llama.hf_tensors(gguf, cfg, gguf_name):
+        yield name, torch.from_numpy(values)

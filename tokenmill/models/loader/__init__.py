@@ -54,16 +54,14 @@ class GGUFCheckpoint(Checkpoint):
     gguf: GGUFFile = field(default=None, repr=False)  # type: ignore[assignment]
 
     def iter_tensors(self, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        # Per-architecture fix-ups (q/k row order, Gemma norm offsets) live in gguf_llama.
+        # Per-architecture fix-ups (q/k row order, Gemma norm offsets, one tensor per expert
+        # out of a stacked one) live in gguf_llama.
         for gguf_name in self.gguf.tensors:
             if lazy:
-                converted = gguf_llama.lazy_hf_tensor(self.gguf, self.hf_config, gguf_name)
-                if converted is not None:
-                    yield converted
+                yield from gguf_llama.lazy_hf_tensors(self.gguf, self.hf_config, gguf_name)
                 continue
-            converted = gguf_llama.hf_tensor(self.gguf, self.hf_config, gguf_name)
-            if converted is not None:
-                yield converted[0], torch.from_numpy(converted[1])
+            for name, values in gguf_llama.hf_tensors(self.gguf, self.hf_config, gguf_name):
+                yield name, torch.from_numpy(values)
 
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in self.gguf.tensors.values())

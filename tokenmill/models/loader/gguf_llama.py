@@ -1,20 +1,24 @@
 """GGUF (llama.cpp) conventions -> Hugging Face conventions, for the llama-like
-architectures (llama, qwen2, qwen3, gemma3).
+architectures (llama, qwen2, qwen3, gemma3) and their Mixture-of-Experts kin (Mixtral,
+which llama.cpp files as llama with experts, qwen2moe, qwen3moe, olmoe).
 
 Translations: metadata keys -> an HF ``config.json`` dict, tensor names -> HF parameter
-names, q/k weights back from llama.cpp's RoPE row order to HF's (llama only), and Gemma's
-norm weights back from llama.cpp's ``1 + w`` to HF's ``w``.
+names (a stacked ``ffn_*_exps`` tensor [experts, rows, cols] -> one HF weight per expert),
+q/k weights back from llama.cpp's RoPE row order to HF's (llama only), and Gemma's norm
+weights back from llama.cpp's ``1 + w`` to HF's ``w``.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from itertools import islice
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
 from .errors import CheckpointError
+from .gguf_quants import dequantize
 from .gguf_reader import GGUFFile
 
 
@@ -23,21 +27,29 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
+_ATTN_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+_LAYER_NAMES = {**_ATTN_NAMES, "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 # Gemma's converter renames the sandwich norms: its ffn_norm is HF's pre-feedforward norm.
 _GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}
+# MoE layers: the router is ffn_gate_inp; experts are keyed by their dense kind (ffn_gate ->
+# ffn_gate_exps stacked, or ffn_gate.E split), "{e}" standing for the expert index.
+_MIXTRAL_MOE = {"ffn_gate_inp": "block_sparse_moe.gate"}
+_MIXTRAL_EXPERTS = {"ffn_gate": "block_sparse_moe.experts.{e}.w1", "ffn_up": "block_sparse_moe.experts.{e}.w3",
+                    "ffn_down": "block_sparse_moe.experts.{e}.w2"}
+_QWEN_MOE = {"ffn_gate_inp": "mlp.gate"}
+_QWEN_EXPERTS = {"ffn_gate": "mlp.experts.{e}.gate_proj", "ffn_up": "mlp.experts.{e}.up_proj",
+                 "ffn_down": "mlp.experts.{e}.down_proj"}
+_SHARED_EXPERT = {"ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+                  "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 
 
 @dataclass(frozen=True)
@@ -48,86 +60,157 @@ class ArchSpec:
     layer_names: dict = field(default_factory=lambda: dict(_LAYER_NAMES))
     permuted_qk: bool = False  # llama.cpp's converter reorders q/k rows (llama only)
     norm_shift: float = 0.0  # the converter stored norm weights + this (Gemma: 1)
+    expert_names: dict = field(default_factory=dict)  # dense kind -> HF expert module ("{e}")
 
 
+# Keys are llama.cpp's general.architecture, except "mixtral": a llama file with experts.
 ARCHS = {
     "llama": ArchSpec("LlamaForCausalLM", "llama", permuted_qk=True),
     "qwen2": ArchSpec("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ArchSpec("Qwen3ForCausalLM", "qwen3", {**_LAYER_NAMES, **_QK_NORMS}),
     "gemma3": ArchSpec("Gemma3ForCausalLM", "gemma3_text", {**_LAYER_NAMES, **_QK_NORMS, **_GEMMA_NORMS},
                        norm_shift=1.0),
+    "mixtral": ArchSpec("MixtralForCausalLM", "mixtral", {**_ATTN_NAMES, **_MIXTRAL_MOE}, permuted_qk=True,
+                        expert_names=_MIXTRAL_EXPERTS),
+    "qwen2moe": ArchSpec("Qwen2MoeForCausalLM", "qwen2_moe", {**_ATTN_NAMES, **_QWEN_MOE, **_SHARED_EXPERT},
+                         expert_names=_QWEN_EXPERTS),
+    "qwen3moe": ArchSpec("Qwen3MoeForCausalLM", "qwen3_moe", {**_ATTN_NAMES, **_QWEN_MOE, **_QK_NORMS},
+                         expert_names=_QWEN_EXPERTS),
+    "olmoe": ArchSpec("OlmoeForCausalLM", "olmoe", {**_ATTN_NAMES, **_QWEN_MOE, **_QK_NORMS},
+                      expert_names=_QWEN_EXPERTS),
 }
-SUPPORTED_ARCHITECTURES = tuple(ARCHS)
+SUPPORTED_ARCHITECTURES = tuple(a for a in ARCHS if a != "mixtral")
 
-_LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+# blk.N.kind[.E].weight|bias; E: one expert of an old (split-expert) Mixtral file
+_LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)(?:\.(\d+))?\.(weight|bias)")
 # Present in some llama GGUFs but not an HF parameter: llama-3 rope frequency factors
 # (HF derives them from rope_scaling) and the cached rotary table of old converters.
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+# llama.cpp reads the shared-expert gate as [hidden]; HF's is a [1, hidden] Linear weight.
+_ONE_ROW = "ffn_gate_inp_shexp"
 
 
 def architecture(gguf: GGUFFile) -> str:
-    arch = gguf.metadata.get("general.architecture")
+    """The key of ``ARCHS`` for this file: its general.architecture, or "mixtral"."""
+    md = gguf.metadata
+    arch = md.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
             f"{gguf.path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    if arch == "llama" and md.get("llama.expert_count"):  # llama.cpp has no "mixtral" architecture
+        return "mixtral"
     return arch
 
 
-def hf_name(gguf_name: str, arch: str = "llama") -> Optional[str]:
-    """HF parameter name for a GGUF tensor name, None for tensors HF has no parameter for."""
+def num_experts(cfg: dict[str, Any]) -> int:
+    """Routed experts per MoE layer (0: a dense model), whatever the HF config calls them."""
+    return cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+
+
+def hf_names(gguf_name: str, arch: str = "llama", num_experts: int = 0) -> list[tuple[str, Optional[int]]]:
+    """The HF parameters one GGUF tensor holds, as (HF name, expert): ``expert`` indexes the
+    leading dim of a stacked ``*_exps`` tensor (one name per expert), None means the whole
+    tensor. Empty for tensors HF has no parameter for."""
     if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+        return [(_GLOBAL_NAMES[gguf_name], None)]
     if gguf_name in _SKIPPED or gguf_name.endswith(".attn_rot_embd"):
-        return None
-    names = ARCHS[arch].layer_names
+        return []
+    spec = ARCHS[arch]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in names:
-        raise CheckpointError(f"unknown {arch} GGUF tensor {gguf_name!r}")
-    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+    if m is not None:
+        layer, kind, expert, suffix = m.groups()
+        prefix = f"model.layers.{layer}."
+        if expert is None and kind in spec.layer_names:
+            return [(f"{prefix}{spec.layer_names[kind]}.{suffix}", None)]
+        if expert is not None and kind in spec.expert_names:  # split experts: one tensor each
+            return [(f"{prefix}{spec.expert_names[kind].format(e=expert)}.{suffix}", None)]
+        if expert is None and kind.endswith("_exps") and kind[:-5] in spec.expert_names:
+            template = f"{prefix}{spec.expert_names[kind[:-5]]}.{suffix}"
+            return [(template.format(e=e), e) for e in range(num_experts)]
+    raise CheckpointError(f"unknown {arch} GGUF tensor {gguf_name!r}")
+
+
+def _kind(gguf_name: str) -> str:
+    return gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+
+
+def rope_heads(arch: str, cfg: dict[str, Any], gguf_name: str) -> Optional[int]:
+    """Heads to un-permute the rows of this tensor by (llama q/k), else None."""
+    kind = _kind(gguf_name)
+    if not ARCHS[arch].permuted_qk or kind not in ("attn_q", "attn_k"):
+        return None
+    return cfg["num_attention_heads"] if kind == "attn_q" else cfg["num_key_value_heads"]  # k: GQA
+
+
+def raw_part(gguf: GGUFFile, gguf_name: str, expert: Optional[int]) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Stored bytes and numpy shape of one expert of a stacked tensor (experts are its
+    leading dim, so each is one contiguous run of bytes), or of the whole tensor."""
+    info, raw = gguf.tensors[gguf_name], gguf.raw(gguf_name)
+    if expert is None:
+        return raw, info.shape
+    size = raw.size // info.shape[0]
+    return raw[expert * size:(expert + 1) * size], info.shape[1:]
 
 
 def hf_tensor(gguf: GGUFFile, cfg: dict[str, Any], gguf_name: str) -> Optional[tuple[str, np.ndarray]]:
-    """(HF name, float32 values in HF layout) of one GGUF tensor; None if HF has no such parameter."""
+    """(HF name, float32 values in HF layout) of a GGUF tensor that is one HF parameter (not
+    a stacked expert tensor: see ``hf_tensors``); None if HF has no such parameter."""
     arch = architecture(gguf)
-    name = hf_name(gguf_name, arch)
-    if name is None:
+    names = hf_names(gguf_name, arch, num_experts(cfg))
+    if not names:
         return None
+    if names[0][1] is not None:
+        raise CheckpointError(f"{gguf.path}: {gguf_name!r} holds {len(names)} experts, not one tensor")
     values = gguf.dequantize(gguf_name)
-    spec = ARCHS[arch]
-    kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
-    if spec.permuted_qk and kind in ("attn_q", "attn_k"):
-        # k uses the KV head count (GQA)
-        heads = cfg["num_attention_heads"] if kind == "attn_q" else cfg["num_key_value_heads"]
+    heads = rope_heads(arch, cfg, gguf_name)
+    if heads:
         values = unpermute_rope_rows(values, heads)
-    if spec.norm_shift and gguf_name.endswith("norm.weight"):
-        values = values - np.float32(spec.norm_shift)
-    return name, values
+    if ARCHS[arch].norm_shift and gguf_name.endswith("norm.weight"):
+        values = values - np.float32(ARCHS[arch].norm_shift)
+    if _kind(gguf_name) == _ONE_ROW:
+        values = values.reshape(1, -1)
+    return names[0][0], values
 
 
-def lazy_hf_tensor(gguf: GGUFFile, cfg: dict[str, Any], gguf_name: str):
-    """Like ``hf_tensor`` but a LazyTensor for 2-D weights: a tensor-parallel rank that
-    narrows it dequantizes only its rows (GGUF rows are contiguous) and, at block
-    boundaries, its columns. None if HF has no such parameter."""
+def hf_tensors(gguf: GGUFFile, cfg: dict[str, Any], gguf_name: str) -> Iterator[tuple[str, np.ndarray]]:
+    """Every (HF name, float32 values) in one GGUF tensor: none, one, or one per expert of a
+    stacked tensor, dequantized one expert at a time."""
+    for name, expert in hf_names(gguf_name, architecture(gguf), num_experts(cfg)):
+        if expert is None:
+            yield hf_tensor(gguf, cfg, gguf_name)
+            continue
+        raw, shape = raw_part(gguf, gguf_name, expert)
+        try:
+            yield name, dequantize(raw, gguf.tensors[gguf_name].type_id, shape)
+        except CheckpointError as e:
+            raise CheckpointError(f"{gguf.path}: tensor {gguf_name!r}: {e}") from None
+
+
+def lazy_hf_tensors(gguf: GGUFFile, cfg: dict[str, Any], gguf_name: str) -> Iterator[tuple[str, Any]]:
+    """Like ``hf_tensors`` but LazyTensors for 2-D weights (each expert its own): a
+    tensor-parallel rank that narrows one dequantizes only its rows (GGUF rows are
+    contiguous) and, at block boundaries, its columns."""
     import torch
     from tokenmill.layers.lazy import LazyTensor
-    info = gguf.tensors[gguf_name]
-    name = hf_name(gguf_name, architecture(gguf))
-    if name is None or len(info.shape) != 2 or gguf_name.endswith("norm.weight"):
-        converted = hf_tensor(gguf, cfg, gguf_name)
-        return None if converted is None else (converted[0], torch.from_numpy(converted[1]))
-    kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
-    heads = None
-    if ARCHS[architecture(gguf)].permuted_qk and kind in ("attn_q", "attn_k"):
-        heads = cfg["num_attention_heads"] if kind == "attn_q" else cfg["num_key_value_heads"]
-    return name, LazyTensor(_gguf_reader(gguf, cfg, gguf_name, heads), info.shape, torch.float32)
+    arch, info = architecture(gguf), gguf.tensors[gguf_name]
+    for name, expert in hf_names(gguf_name, arch, num_experts(cfg)):
+        if expert is not None:
+            yield name, LazyTensor(_gguf_reader(gguf, cfg, gguf_name, None, expert), info.shape[1:], torch.float32)
+        elif len(info.shape) != 2 or gguf_name.endswith("norm.weight"):
+            converted = hf_tensor(gguf, cfg, gguf_name)
+            yield converted[0], torch.from_numpy(converted[1])
+        else:
+            heads = rope_heads(arch, cfg, gguf_name)
+            yield name, LazyTensor(_gguf_reader(gguf, cfg, gguf_name, heads), info.shape, torch.float32)
 
 
-def _gguf_reader(gguf: GGUFFile, cfg: dict[str, Any], gguf_name: str, heads: Optional[int]):
+def _gguf_reader(gguf: GGUFFile, cfg: dict[str, Any], gguf_name: str, heads: Optional[int],
+                 expert: Optional[int] = None):
     import torch
-    from tokenmill.models.loader.gguf_quants import dequantize, ggml_type
+    from tokenmill.models.loader.gguf_quants import ggml_type
     info = gguf.tensors[gguf_name]
-    rows, cols = info.shape
+    whole, (rows, cols) = raw_part(gguf, gguf_name, expert)
     t = ggml_type(info.type_id)
     row_bytes = cols // t.block_size * t.type_size
     head_rows = rows // heads if heads else 1
@@ -138,7 +221,7 @@ def _gguf_reader(gguf: GGUFFile, cfg: dict[str, Any], gguf_name: str, heads: Opt
             return torch.from_numpy(hf_tensor(gguf, cfg, gguf_name)[1][r0:r0 + nr, c0:c0 + nc].copy())
         aligned = c0 % t.block_size == 0 and nc % t.block_size == 0
         b0, nb = (c0, nc) if aligned else (0, cols)
-        raw = gguf.raw(gguf_name).reshape(rows, row_bytes)[r0:r0 + nr]
+        raw = whole.reshape(rows, row_bytes)[r0:r0 + nr]
         raw = raw[:, b0 // t.block_size * t.type_size:(b0 + nb) // t.block_size * t.type_size]
         values = dequantize(raw.reshape(-1), info.type_id, (nr, nb))
         if not aligned:
@@ -175,7 +258,7 @@ def _get(md: dict[str, Any], key: str, path: str, kind: type = int, default: Any
     value = md.get(key, default)
     if value is ...:
         raise CheckpointError(f"{path}: missing metadata {key!r}")
-    if value is not None and (not isinstance(value, kind) or isinstance(value, bool)):
+    if value is not None and (not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool)):
         # ints are fine where floats are asked for (e.g. an integer rope base)
         if not (kind is float and isinstance(value, int) and not isinstance(value, bool)):
             raise CheckpointError(f"{path}: metadata {key!r} = {value!r} is not {kind.__name__}")
@@ -187,7 +270,7 @@ def _get(md: dict[str, Any], key: str, path: str, kind: type = int, default: Any
 def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     """An HF LlamaConfig-style dict from llama.* and tokenizer.* metadata."""
     md, path, arch = gguf.metadata, gguf.path, architecture(gguf)
-    p = f"{arch}."
+    p = md["general.architecture"] + "."  # "llama." for mixtral
     hidden = _get(md, p + "embedding_length", path)
     num_heads = _get(md, p + "attention.head_count", path)
     num_kv_heads = _get(md, p + "attention.head_count_kv", path, default=num_heads)
@@ -225,7 +308,42 @@ def hf_config(gguf: GGUFFile) -> dict[str, Any]:
     }
     if arch == "gemma3":
         cfg.update(_gemma3_config(md, p, path, cfg))
+    if ARCHS[arch].expert_names:
+        cfg.update(_moe_config(md, p, path, cfg))
     return cfg
+
+
+SOFTMAX_GATING = 1  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+
+
+def _moe_config(md: dict[str, Any], p: str, path: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE keys of the HF config; transformers' names differ per architecture."""
+    experts, top_k = _get(md, p + "expert_count", path), _get(md, p + "expert_used_count", path)
+    if top_k > experts:
+        raise CheckpointError(f"{path}: {top_k} experts per token but only {experts} experts")
+    if md.get(p + "expert_gating_func", SOFTMAX_GATING) != SOFTMAX_GATING:
+        raise CheckpointError(f"{path}: expert gating {md[p + 'expert_gating_func']!r} is not supported (softmax only)")
+    # Mixtral and OLMoE files give the expert size as feed_forward_length; Qwen files have a key for it.
+    ffn = _get(md, p + "expert_feed_forward_length", path, default=None) or cfg["intermediate_size"]
+    norm = _get(md, p + "expert_weights_norm", path, bool, default=None)
+    kind = cfg["model_type"]
+    if kind == "mixtral":
+        return {"num_local_experts": experts, "num_experts_per_tok": top_k, "intermediate_size": ffn,
+                "sliding_window": None}
+    out = {"num_experts": experts, "num_experts_per_tok": top_k}
+    if kind == "olmoe":
+        return {**out, "intermediate_size": ffn, "norm_topk_prob": bool(norm),
+                "clip_qkv": _get(md, p + "attention.clamp_kqv", path, float, default=None)}
+    out.update({"moe_intermediate_size": _get(md, p + "expert_feed_forward_length", path),
+                "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+                "sliding_window": None})
+    if kind == "qwen3_moe":
+        # transformers 5 saves Qwen3-MoE's count as num_local_experts, Hub configs as num_experts;
+        # without the key llama.cpp renormalises qwen3moe's top-k weights
+        return {**out, "num_local_experts": experts, "norm_topk_prob": True if norm is None else norm}
+    # qwen2moe: llama.cpp falls back to feed_forward_length for the shared expert's size
+    shared = _get(md, p + "expert_shared_feed_forward_length", path, default=None) or cfg["intermediate_size"]
+    return {**out, "shared_expert_intermediate_size": shared, "norm_topk_prob": bool(norm)}
 
 
 GEMMA3_SLIDING_PATTERN = 6  # every 6th layer is global; llama.cpp hard-codes this for gemma3
@@ -274,61 +392,104 @@ def _vocab_size(gguf: GGUFFile, p: str) -> int:
     return embd.dims[-1]
 
 
-def _expected_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape (numpy order) of every weight a llama with this config must have."""
-    hidden, vocab, ffn = cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]
-    q_rows = cfg["num_attention_heads"] * cfg["head_dim"]
-    kv_rows = cfg["num_key_value_heads"] * cfg["head_dim"]
+_BY_MODEL_TYPE = {spec.model_type: spec for spec in ARCHS.values()}
+_HF_LAYER_RE = re.compile(r"model\.layers\.(0|[1-9]\d*)\.(.+)\.weight")  # canonical indices only
+_HF_EXPERT_RE = re.compile(r"\.experts\.(0|[1-9]\d*)\.")
+
+
+def _global_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
     shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     if not cfg["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (vocab, hidden)
-    per_layer = _per_layer_shapes(cfg)
-    for i in range(cfg["num_hidden_layers"]):
-        for module, shape in per_layer.items():
-            shapes[f"model.layers.{i}.{module}.weight"] = shape
     return shapes
 
 
 def _per_layer_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """HF module -> weight shape, for one layer of this config's architecture."""
+    """HF module -> weight shape (numpy order), for one layer of this config's architecture;
+    an expert module appears once, with "{e}" for its index."""
     hidden, ffn, head_dim = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q_rows, kv_rows = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    kind, spec = cfg["model_type"], _BY_MODEL_TYPE[cfg["model_type"]]
     shapes = {"self_attn.q_proj": (q_rows, hidden), "self_attn.k_proj": (kv_rows, hidden),
               "self_attn.v_proj": (kv_rows, hidden), "self_attn.o_proj": (hidden, q_rows),
-              "mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden), "mlp.down_proj": (hidden, ffn),
               "input_layernorm": (hidden,), "post_attention_layernorm": (hidden,)}
-    if cfg["model_type"] in ("qwen3", "gemma3_text"):
+    if spec.expert_names:
+        shapes.update(_moe_shapes(spec, cfg))
+    else:
+        shapes.update({"mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden), "mlp.down_proj": (hidden, ffn)})
+    if kind in ("qwen3", "gemma3_text", "qwen3_moe"):
         shapes.update({"self_attn.q_norm": (head_dim,), "self_attn.k_norm": (head_dim,)})
-    if cfg["model_type"] == "gemma3_text":
+    if kind == "olmoe":  # OLMoE normalises the whole projection, not each head
+        shapes.update({"self_attn.q_norm": (q_rows,), "self_attn.k_norm": (kv_rows,)})
+    if kind == "gemma3_text":
         shapes.update({"pre_feedforward_layernorm": (hidden,), "post_feedforward_layernorm": (hidden,)})
     return shapes
+
+
+def _moe_shapes(spec: ArchSpec, cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    hidden, names, layer = cfg["hidden_size"], spec.expert_names, spec.layer_names
+    ffn = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]  # Qwen's key, else Mixtral's / OLMoE's
+    shapes = {layer["ffn_gate_inp"]: (num_experts(cfg), hidden), names["ffn_gate"]: (ffn, hidden),
+              names["ffn_up"]: (ffn, hidden), names["ffn_down"]: (hidden, ffn)}
+    if "ffn_gate_shexp" in layer:
+        shared = cfg["shared_expert_intermediate_size"]
+        shapes.update({layer["ffn_gate_shexp"]: (shared, hidden), layer["ffn_up_shexp"]: (shared, hidden),
+                       layer["ffn_down_shexp"]: (hidden, shared), layer[_ONE_ROW]: (1, hidden)})
+    return shapes
+
+
+def _expected_shape(cfg: dict[str, Any], name: str, per_layer: dict, global_shapes: dict) -> Optional[tuple]:
+    """Shape of the HF weight ``name`` in a model of this config; None if it has no such weight."""
+    if name in global_shapes:
+        return global_shapes[name]
+    m = _HF_LAYER_RE.fullmatch(name)
+    if m is None or int(m.group(1)) >= cfg["num_hidden_layers"]:
+        return None
+    module, e = m.group(2), _HF_EXPERT_RE.search(m.group(2))
+    if e is not None:
+        if int(e.group(1)) >= num_experts(cfg):
+            return None
+        module = f"{module[:e.start()]}.experts.{{e}}.{module[e.end():]}"
+    return per_layer.get(module)
+
+
+def _expected_names(cfg: dict[str, Any], per_layer: dict, global_shapes: dict) -> Iterator[str]:
+    yield from global_shapes
+    for i in range(cfg["num_hidden_layers"]):
+        for module in per_layer:
+            for e in range(num_experts(cfg) if "{e}" in module else 1):
+                yield f"model.layers.{i}.{module.format(e=e)}.weight"
 
 
 def check_tensors(gguf: GGUFFile, cfg: dict[str, Any]) -> None:
     """Every weight the config implies is present with the right shape, nothing unexpected.
 
-    Done at open time so a lying config (say a billion layers) fails before any model is built.
+    Done at open time so a lying config (say a billion layers or experts) fails before any
+    model is built; nothing here is sized by a count the tensors have not confirmed.
     """
-    num_layers, arch = cfg["num_hidden_layers"], architecture(gguf)
-    if num_layers * len(_per_layer_shapes(cfg)) > len(gguf.tensors):  # a lying count, not a model
+    num_layers, arch, experts = cfg["num_hidden_layers"], architecture(gguf), num_experts(cfg)
+    per_layer, global_shapes = _per_layer_shapes(cfg), _global_shapes(cfg)
+    if num_layers * len(per_layer) > len(gguf.tensors):  # a lying count, not a model
         raise CheckpointError(f"{gguf.path}: {len(gguf.tensors)} tensors cannot hold {num_layers} layers")
-    expected = _expected_shapes(cfg)
-    found = {}
+    seen: set[str] = set()
     for gguf_name, info in gguf.tensors.items():
-        name = hf_name(gguf_name, arch)
-        if name is None:
-            continue
-        if name.endswith(".bias"):  # biases follow their weight's output rows
-            weight = expected.get(name[:-5] + ".weight")
-            if weight is None or info.shape != weight[:1]:
-                raise CheckpointError(f"{gguf.path}: unexpected bias {gguf_name!r} with shape {info.shape}")
-            continue
-        if name not in expected:
-            raise CheckpointError(f"{gguf.path}: tensor {gguf_name!r} does not fit the config "
-                                  f"({cfg['num_hidden_layers']} layers, tied={cfg['tie_word_embeddings']})")
-        if info.shape != expected[name]:
-            raise CheckpointError(f"{gguf.path}: tensor {gguf_name!r} has shape {info.shape}, expected {expected[name]}")
-        found[name] = gguf_name
-    missing = sorted(set(expected) - set(found), key=lambda n: (len(n), n))
-    if missing:
-        raise CheckpointError(f"{gguf.path}: missing tensors: {', '.join(missing[:5])}")
+        # A stacked tensor names no more experts than it holds; the shape check then
+        # rejects an expert count it does not hold.
+        for name, expert in hf_names(gguf_name, arch, min(experts, info.shape[0])):
+            bias = name.endswith(".bias")  # biases follow their weight's output rows
+            want = _expected_shape(cfg, name[:-5] + ".weight" if bias else name, per_layer, global_shapes)
+            if want is None:
+                raise CheckpointError(f"{gguf.path}: tensor {gguf_name!r} does not fit the config ({num_layers} "
+                                      f"layers, {experts} experts, tied={cfg['tie_word_embeddings']})")
+            want = (want[:1] if bias else want) if expert is None else (experts, *(want[:1] if bias else want))
+            shape = want if _kind(gguf_name) == _ONE_ROW and info.shape == want[1:] else info.shape
+            if shape != want:
+                raise CheckpointError(f"{gguf.path}: tensor {gguf_name!r} has shape {info.shape}, expected {want}")
+            if name in seen:
+                raise CheckpointError(f"{gguf.path}: {name} is stored twice (last in {gguf_name!r})")
+            seen.add(name)
+    total = len(global_shapes) + num_layers * sum(experts if "{e}" in m else 1 for m in per_layer)
+    if sum(not n.endswith(".bias") for n in seen) < total:  # only expected names get in: some are missing
+        missing = islice((n for n in _expected_names(cfg, per_layer, global_shapes) if n not in seen), 5)
+        raise CheckpointError(f"{gguf.path}: missing tensors: {', '.join(missing)}")
