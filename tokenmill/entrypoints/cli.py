@@ -295,6 +295,8 @@ def _add_bench_parsers(sub) -> None:
     collectives.add_parser(bench_sub)
     from tokenmill.bench import routing
     routing.add_parser(bench_sub)
+    from tokenmill.bench import moe
+    moe.add_parser(bench_sub)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
