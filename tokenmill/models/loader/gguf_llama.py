@@ -5,21 +5,23 @@ which llama.cpp files as llama with experts, qwen2moe, qwen3moe, olmoe).
 Translations: metadata keys -> an HF ``config.json`` dict, tensor names -> HF parameter
 names (a stacked ``ffn_*_exps`` tensor [experts, rows, cols] -> one HF weight per expert),
 q/k weights back from llama.cpp's RoPE row order to HF's (llama only), and Gemma's norm
-weights back from llama.cpp's ``1 + w`` to HF's ``w``.
+weights back from llama.cpp's ``1 + w`` to HF's ``w``. Checking the tensors' shapes against
+the config lives in gguf_shapes (``check_tensors`` here binds it to these name tables).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from itertools import islice
 from typing import Any, Iterator, Optional
 
 import numpy as np
 
+from . import gguf_shapes
 from .errors import CheckpointError
 from .gguf_quants import dequantize
 from .gguf_reader import GGUFFile
+from .gguf_shapes import ONE_ROW, num_experts, tensor_kind
 
 
 _GLOBAL_NAMES = {
@@ -86,8 +88,6 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)(?:\.(\d+))?\.(weight|bias)")
 # Present in some llama GGUFs but not an HF parameter: llama-3 rope frequency factors
 # (HF derives them from rope_scaling) and the cached rotary table of old converters.
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
-# llama.cpp reads the shared-expert gate as [hidden]; HF's is a [1, hidden] Linear weight.
-_ONE_ROW = "ffn_gate_inp_shexp"
 
 
 def architecture(gguf: GGUFFile) -> str:
@@ -101,11 +101,6 @@ def architecture(gguf: GGUFFile) -> str:
     if arch == "llama" and md.get("llama.expert_count"):  # llama.cpp has no "mixtral" architecture
         return "mixtral"
     return arch
-
-
-def num_experts(cfg: dict[str, Any]) -> int:
-    """Routed experts per MoE layer (0: a dense model), whatever the HF config calls them."""
-    return cfg.get("num_local_experts") or cfg.get("num_experts") or 0
 
 
 def hf_names(gguf_name: str, arch: str = "llama", num_experts: int = 0) -> list[tuple[str, Optional[int]]]:
@@ -131,13 +126,9 @@ def hf_names(gguf_name: str, arch: str = "llama", num_experts: int = 0) -> list[
     raise CheckpointError(f"unknown {arch} GGUF tensor {gguf_name!r}")
 
 
-def _kind(gguf_name: str) -> str:
-    return gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
-
-
 def rope_heads(arch: str, cfg: dict[str, Any], gguf_name: str) -> Optional[int]:
     """Heads to un-permute the rows of this tensor by (llama q/k), else None."""
-    kind = _kind(gguf_name)
+    kind = tensor_kind(gguf_name)
     if not ARCHS[arch].permuted_qk or kind not in ("attn_q", "attn_k"):
         return None
     return cfg["num_attention_heads"] if kind == "attn_q" else cfg["num_key_value_heads"]  # k: GQA
@@ -168,7 +159,7 @@ def hf_tensor(gguf: GGUFFile, cfg: dict[str, Any], gguf_name: str) -> Optional[t
         values = unpermute_rope_rows(values, heads)
     if ARCHS[arch].norm_shift and gguf_name.endswith("norm.weight"):
         values = values - np.float32(ARCHS[arch].norm_shift)
-    if _kind(gguf_name) == _ONE_ROW:
+    if tensor_kind(gguf_name) == ONE_ROW:
         values = values.reshape(1, -1)
     return names[0][0], values
 
@@ -393,103 +384,11 @@ def _vocab_size(gguf: GGUFFile, p: str) -> int:
 
 
 _BY_MODEL_TYPE = {spec.model_type: spec for spec in ARCHS.values()}
-_HF_LAYER_RE = re.compile(r"model\.layers\.(0|[1-9]\d*)\.(.+)\.weight")  # canonical indices only
-_HF_EXPERT_RE = re.compile(r"\.experts\.(0|[1-9]\d*)\.")
-
-
-def _global_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    hidden, vocab = cfg["hidden_size"], cfg["vocab_size"]
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
-    if not cfg["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (vocab, hidden)
-    return shapes
-
-
-def _per_layer_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """HF module -> weight shape (numpy order), for one layer of this config's architecture;
-    an expert module appears once, with "{e}" for its index."""
-    hidden, ffn, head_dim = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
-    q_rows, kv_rows = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
-    kind, spec = cfg["model_type"], _BY_MODEL_TYPE[cfg["model_type"]]
-    shapes = {"self_attn.q_proj": (q_rows, hidden), "self_attn.k_proj": (kv_rows, hidden),
-              "self_attn.v_proj": (kv_rows, hidden), "self_attn.o_proj": (hidden, q_rows),
-              "input_layernorm": (hidden,), "post_attention_layernorm": (hidden,)}
-    if spec.expert_names:
-        shapes.update(_moe_shapes(spec, cfg))
-    else:
-        shapes.update({"mlp.gate_proj": (ffn, hidden), "mlp.up_proj": (ffn, hidden), "mlp.down_proj": (hidden, ffn)})
-    if kind in ("qwen3", "gemma3_text", "qwen3_moe"):
-        shapes.update({"self_attn.q_norm": (head_dim,), "self_attn.k_norm": (head_dim,)})
-    if kind == "olmoe":  # OLMoE normalises the whole projection, not each head
-        shapes.update({"self_attn.q_norm": (q_rows,), "self_attn.k_norm": (kv_rows,)})
-    if kind == "gemma3_text":
-        shapes.update({"pre_feedforward_layernorm": (hidden,), "post_feedforward_layernorm": (hidden,)})
-    return shapes
-
-
-def _moe_shapes(spec: ArchSpec, cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    hidden, names, layer = cfg["hidden_size"], spec.expert_names, spec.layer_names
-    ffn = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]  # Qwen's key, else Mixtral's / OLMoE's
-    shapes = {layer["ffn_gate_inp"]: (num_experts(cfg), hidden), names["ffn_gate"]: (ffn, hidden),
-              names["ffn_up"]: (ffn, hidden), names["ffn_down"]: (hidden, ffn)}
-    if "ffn_gate_shexp" in layer:
-        shared = cfg["shared_expert_intermediate_size"]
-        shapes.update({layer["ffn_gate_shexp"]: (shared, hidden), layer["ffn_up_shexp"]: (shared, hidden),
-                       layer["ffn_down_shexp"]: (hidden, shared), layer[_ONE_ROW]: (1, hidden)})
-    return shapes
-
-
-def _expected_shape(cfg: dict[str, Any], name: str, per_layer: dict, global_shapes: dict) -> Optional[tuple]:
-    """Shape of the HF weight ``name`` in a model of this config; None if it has no such weight."""
-    if name in global_shapes:
-        return global_shapes[name]
-    m = _HF_LAYER_RE.fullmatch(name)
-    if m is None or int(m.group(1)) >= cfg["num_hidden_layers"]:
-        return None
-    module, e = m.group(2), _HF_EXPERT_RE.search(m.group(2))
-    if e is not None:
-        if int(e.group(1)) >= num_experts(cfg):
-            return None
-        module = f"{module[:e.start()]}.experts.{{e}}.{module[e.end():]}"
-    return per_layer.get(module)
-
-
-def _expected_names(cfg: dict[str, Any], per_layer: dict, global_shapes: dict) -> Iterator[str]:
-    yield from global_shapes
-    for i in range(cfg["num_hidden_layers"]):
-        for module in per_layer:
-            for e in range(num_experts(cfg) if "{e}" in module else 1):
-                yield f"model.layers.{i}.{module.format(e=e)}.weight"
 
 
 def check_tensors(gguf: GGUFFile, cfg: dict[str, Any]) -> None:
-    """Every weight the config implies is present with the right shape, nothing unexpected.
-
-    Done at open time so a lying config (say a billion layers or experts) fails before any
-    model is built; nothing here is sized by a count the tensors have not confirmed.
-    """
-    num_layers, arch, experts = cfg["num_hidden_layers"], architecture(gguf), num_experts(cfg)
-    per_layer, global_shapes = _per_layer_shapes(cfg), _global_shapes(cfg)
-    if num_layers * len(per_layer) > len(gguf.tensors):  # a lying count, not a model
-        raise CheckpointError(f"{gguf.path}: {len(gguf.tensors)} tensors cannot hold {num_layers} layers")
-    seen: set[str] = set()
-    for gguf_name, info in gguf.tensors.items():
-        # A stacked tensor names no more experts than it holds; the shape check then
-        # rejects an expert count it does not hold.
-        for name, expert in hf_names(gguf_name, arch, min(experts, info.shape[0])):
-            bias = name.endswith(".bias")  # biases follow their weight's output rows
-            want = _expected_shape(cfg, name[:-5] + ".weight" if bias else name, per_layer, global_shapes)
-            if want is None:
-                raise CheckpointError(f"{gguf.path}: tensor {gguf_name!r} does not fit the config ({num_layers} "
-                                      f"layers, {experts} experts, tied={cfg['tie_word_embeddings']})")
-            want = (want[:1] if bias else want) if expert is None else (experts, *(want[:1] if bias else want))
-            shape = want if _kind(gguf_name) == _ONE_ROW and info.shape == want[1:] else info.shape
-            if shape != want:
-                raise CheckpointError(f"{gguf.path}: tensor {gguf_name!r} has shape {info.shape}, expected {want}")
-            if name in seen:
-                raise CheckpointError(f"{gguf.path}: {name} is stored twice (last in {gguf_name!r})")
-            seen.add(name)
-    total = len(global_shapes) + num_layers * sum(experts if "{e}" in m else 1 for m in per_layer)
-    if sum(not n.endswith(".bias") for n in seen) < total:  # only expected names get in: some are missing
-        missing = islice((n for n in _expected_names(cfg, per_layer, global_shapes) if n not in seen), 5)
-        raise CheckpointError(f"{gguf.path}: missing tensors: {', '.join(missing)}")
+    """``gguf_shapes.check_tensors`` with this module's naming: shapes follow the config's
+    model_type, names the file's architecture (as they are loaded)."""
+    arch = architecture(gguf)
+    gguf_shapes.check_tensors(gguf, cfg, _BY_MODEL_TYPE[cfg["model_type"]],
+                              lambda gguf_name, experts: hf_names(gguf_name, arch, experts))
