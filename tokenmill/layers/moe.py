@@ -74,12 +74,10 @@ def combine_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     if x.shape[0] == 1:
         # A decode step of one sequence: the sort would cost more than it saves.
         out = torch.zeros_like(x)
-        for slot_token in range(ids.numel()):
-            t, j = divmod(slot_token, k)
-            e = int(ids[t, j])
+        scale = weights[0].to(x.dtype)
+        for j, e in enumerate(ids[0].tolist()):
             if local is None or e in local:
-                y = run_expert(e, x[t:t + 1])
-                out[t:t + 1].add_(y * weights[t, j].to(x.dtype))
+                out.addcmul_(run_expert(e, x), scale[j])
         return out
     order = torch.argsort(ids.reshape(-1), stable=True)   # (token, slot) pairs by expert
     token_of = order // k
@@ -205,8 +203,8 @@ class SparseMoE(nn.Module):
         if self.load is not None:
             self.load.record(self.load_index, per_expert)
         by_id = self._by_id
-        out = combine_experts(x, weights, ids, lambda e, rows: by_id[e](rows),
-                              per_expert.tolist(), self.local)
+        counts = per_expert.tolist() if x.shape[0] > 1 else []   # one token: no grouping
+        out = combine_experts(x, weights, ids, lambda e, rows: by_id[e](rows), counts, self.local)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out) if self.tp.is_parallel else out
