@@ -172,7 +172,10 @@ class ParallelConfig:
     "auto" joins the running cluster). ``master_addr`` / ``master_port``: the rendezvous of
     a tensor-parallel group (port 0 = pick a free one). ``enable_expert_parallel``: an MoE
     model's experts are sharded whole over the tensor-parallel ranks (attention stays split
-    by heads) instead of every rank holding a slice of every expert."""
+    by heads) instead of every rank holding a slice of every expert. ``replicate_hot_experts``
+    (expert parallel): every ``expert_rebalance_interval`` steps each layer's that many most
+    used experts (measured since the last look) are copied onto every rank, which then split
+    their tokens."""
 
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -187,6 +190,8 @@ class ParallelConfig:
     # instead of gloo's loopback TCP (~0.5 ms each here); False: gloo for everything.
     shm_collectives: bool = True
     enable_expert_parallel: bool = False
+    replicate_hot_experts: int = 0
+    expert_rebalance_interval: int = 256
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size"):
@@ -205,6 +210,14 @@ class ParallelConfig:
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be True or False, "
                              f"got {self.enable_expert_parallel!r}")
+        for name in ("replicate_hot_experts", "expert_rebalance_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.expert_rebalance_interval < 1:
+            raise ValueError("expert_rebalance_interval must be at least 1 step")
+        if self.replicate_hot_experts and not self.enable_expert_parallel:
+            raise ValueError("replicate_hot_experts needs enable_expert_parallel")
         if not isinstance(self.shm_collectives, bool):
             raise ValueError(f"shm_collectives must be True or False, got {self.shm_collectives!r}")
         if not self.collective_timeout_s > 0:

@@ -9,11 +9,11 @@ from tests.distributed.test_tensor_parallel import run, same_outputs
 from tests.models.test_moe_architectures import build_tiny_moe
 
 
-def make_engine(model, tp, expert_parallel=False, quantization=None):
+def make_engine(model, tp, expert_parallel=False, quantization=None, **parallel):
     cfg = EngineConfig(model=ModelConfig(model=model, skip_tokenizer_init=True, quantization=quantization),
                        cache=CacheConfig(block_size=4, num_kv_blocks=64),
                        parallel=ParallelConfig(tensor_parallel_size=tp,
-                                               enable_expert_parallel=expert_parallel))
+                                               enable_expert_parallel=expert_parallel, **parallel))
     return LLMEngine(cfg)
 
 
@@ -56,17 +56,34 @@ def test_split_moe_matches_one_process(moe_dir, single, expert_parallel):
     assert max(weights) < 0.75 * sum(weights)   # nobody holds the whole model
 
 
-def test_expert_parallel_int8(moe_dir):
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_hot_expert_replicas_change_no_token(moe_dir, single, quantization):
+    """Each layer's hottest expert copied onto both ranks every 3 steps: the same tokens
+    (float, and int8 experts quantized as at load), the replicated experts' pairs split."""
     name, path = moe_dir
-    if name != "qwen2_moe":
+    if quantization and name != "qwen2_moe":
         pytest.skip("one architecture is enough for the quantized layout")
-    expected = run(make_engine(path, 1, quantization="int8"))
-    engine = make_engine(path, 2, expert_parallel=True, quantization="int8")
+    expected = single[0] if quantization is None else run(make_engine(path, 1, quantization=quantization))
+    engine = make_engine(path, 2, expert_parallel=True, quantization=quantization,
+                         replicate_hot_experts=1, expert_rebalance_interval=3)
     try:
+        engine.reset_expert_load()
         got = run(engine)
+        load = engine.get_stats()["moe"]
+        plan = engine.expert_balancer.plan
     finally:
         engine.shutdown()
     same_outputs(expected, got)
+    assert plan is not None and all(len(layer) == 1 for layer in plan)
+    assert sum(load["per_rank"]) == load["routed"]
+    n = load["num_experts"]
+    by_owner = [sum(row[e] for row in load["counts"] for e in range(r * n // 2, (r + 1) * n // 2)) for r in range(2)]
+    assert load["per_rank"] != by_owner   # replicas took part of their owners' tokens
+
+
+def test_replication_needs_expert_parallelism():
+    with pytest.raises(ValueError, match="needs enable_expert_parallel"):
+        ParallelConfig(tensor_parallel_size=2, replicate_hot_experts=1)
 
 
 def test_bad_expert_parallel_layouts_fail_before_starting_ranks(moe_dir, tmp_path):

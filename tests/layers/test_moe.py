@@ -33,10 +33,11 @@ def test_route_picks_the_top_k_softmax_weights():
 
 
 def test_expert_load_counts_and_imbalance():
-    load = ExpertLoad(num_layers=2, num_experts=4)
+    load = ExpertLoad(num_layers=2, num_experts=4, num_ranks=2)
     assert load.snapshot()["imbalance"] == [0.0, 0.0]
     load.record(0, torch.bincount(torch.tensor([0, 1, 0, 2, 0, 3]), minlength=4))
-    snap = load.snapshot(ranks=[range(0, 2), range(2, 4)])
+    load.rank_pairs.add_(torch.tensor([4, 2]))
+    snap = load.snapshot()
     assert snap["counts"] == [[3, 1, 1, 1], [0, 0, 0, 0]] and snap["routed"] == 6
     assert snap["imbalance"][0] == pytest.approx(3 / 1.5) and snap["dropped"] == 0
     assert snap["per_rank"] == [4, 2] and snap["rank_imbalance"] == pytest.approx(4 / 3)
@@ -70,3 +71,34 @@ def test_sparse_moe_layer_matches_the_reference(tokens):
         experts_reference(x, se.gate_up_proj.weight[None], se.down_proj.weight[None],
                           torch.ones(tokens, 1), torch.zeros(tokens, 1, dtype=torch.long))
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_shares_split_replicated_experts_across_ranks():
+    """Two ranks of an expert-parallel group (experts 0-1 and 2-3), expert 2 replicated on
+    both: the ranks' partial sums add up to the whole layer, each token computed once."""
+    from tokenmill.layers.moe import combine_experts
+    g = torch.Generator().manual_seed(5)
+    hidden, inter, experts = 12, 16, 4
+    x = torch.randn(11, hidden, generator=g)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=g) * 0.3
+    w2 = torch.randn(experts, hidden, inter, generator=g) * 0.3
+    weights, ids = route(torch.randn(11, experts, generator=g), 2, renormalize=True)
+    counts = torch.bincount(ids.reshape(-1), minlength=experts).tolist()
+    calls = []
+
+    def run(e, rows):
+        calls.append((e, rows.shape[0]))
+        return F.silu(rows @ w13[e][:inter].T) * (rows @ w13[e][inter:].T) @ w2[e].T
+    rank0 = combine_experts(x, weights, ids, run, counts, {0: (0, 1), 1: (0, 1), 2: (0, 2)})
+    rank1 = combine_experts(x, weights, ids, run, counts, {2: (1, 2), 3: (0, 1)})
+    torch.testing.assert_close(rank0 + rank1, experts_reference(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)
+    assert sum(n for e, n in calls if e == 2) == counts[2]   # split, not duplicated
+
+
+def test_balancer_picks_the_hottest_experts_of_the_window():
+    from tokenmill.engine.expert_balancer import ExpertBalancer
+    b = ExpertBalancer(num_hot=1, interval=1)
+    assert b.choose([[0, 0, 0, 0]]) is None                 # nothing routed yet
+    assert b.choose([[5, 1, 0, 2]]) == [[0]]
+    assert b.choose([[5, 1, 9, 2]]) == [[2]]                 # the window since the last look
+    assert b.choose([[1, 3, 0, 0]]) == [[1]]                 # counts went down: a reset

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.expert_balancer import ExpertBalancer
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import Processor, PromptType
 from tokenmill.runner.executor import make_executor
@@ -76,6 +77,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._expert_load_cache: Optional[tuple] = None   # (monotonic time, snapshot)
+        self.expert_balancer = ExpertBalancer(pc.replicate_hot_experts, pc.expert_rebalance_interval) \
+            if pc.replicate_hot_experts else None
 
     def _rank_spec(self) -> RankSpec:
         mc, pc = self.config.model, self.config.parallel
@@ -185,6 +188,8 @@ class LLMEngine:
             self.scheduler.finish_requests(child_id, RequestStatus.FINISHED_STOPPED, stop_str)
         self._record(core_outputs, live, time.monotonic() - t0)
         self._release_if_idle()
+        if self.expert_balancer is not None:
+            self.expert_balancer.after_step(self)
         return results
 
     def _release_if_idle(self) -> None:

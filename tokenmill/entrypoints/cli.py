@@ -83,6 +83,11 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: shard whole experts over the tensor-parallel ranks instead "
                         "of slicing every expert (attention stays split by heads)")
+    g.add_argument("--replicate-hot-experts", type=int, default=0, metavar="K",
+                   help="with --enable-expert-parallel: copy each layer's K most used experts "
+                        "(measured while serving) onto every rank, which split their tokens")
+    g.add_argument("--expert-rebalance-interval", type=int, default=256, metavar="STEPS",
+                   help="engine steps between looks at the expert load")
     g.add_argument("--ray-address", default=None,
                    help="Ray cluster to join ('auto' = the one `ray start` runs here; default: "
                         "start a local one)")
@@ -119,7 +124,9 @@ def _make_llm(args):
                data_parallel_size=args.data_parallel_size,
                distributed_executor_backend=args.distributed_executor_backend,
                router=args.router, ray_address=args.ray_address,
-               enable_expert_parallel=args.enable_expert_parallel)
+               enable_expert_parallel=args.enable_expert_parallel,
+               replicate_hot_experts=args.replicate_hot_experts,
+               expert_rebalance_interval=args.expert_rebalance_interval)
 
 
 def _json_arg(flag: str, text):

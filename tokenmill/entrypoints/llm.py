@@ -30,7 +30,8 @@ class LLM:
                  cpu_weight_prepack: bool = True, cpu_kernels: bool = True,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  distributed_executor_backend: str = "mp", router: str = "prefix",
-                 ray_address: Optional[str] = None, enable_expert_parallel: bool = False) -> None:
+                 ray_address: Optional[str] = None, enable_expert_parallel: bool = False,
+                 replicate_hot_experts: int = 0, expert_rebalance_interval: int = 256) -> None:
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               skip_tokenizer_init=skip_tokenizer_init,
@@ -54,7 +55,9 @@ class LLM:
                                     data_parallel_size=data_parallel_size,
                                     distributed_executor_backend=distributed_executor_backend,
                                     router=router, ray_address=ray_address,
-                                    enable_expert_parallel=enable_expert_parallel))
+                                    enable_expert_parallel=enable_expert_parallel,
+                                    replicate_hot_experts=replicate_hot_experts,
+                                    expert_rebalance_interval=expert_rebalance_interval))
         # data_parallel_size > 1: a DataParallelEngine (same surface) over replica processes
         self.engine = create_engine(config)
         self.engine.warmup()   # one-time costs now, not in the first request

@@ -66,28 +66,32 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 def combine_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     run_expert: Callable[[int, torch.Tensor], torch.Tensor],
-                    counts: list[int], local: Optional[range] = None) -> torch.Tensor:
+                    counts: list[int], shares: Optional[dict] = None) -> torch.Tensor:
     """x [T, H] -> [T, H]: sum over each token's k experts of weight * run_expert(e, rows).
-    ``counts``: tokens per expert (``bincount`` of ``ids``); ``local``: the experts this rank
-    runs (expert parallel), the others' tokens are another rank's share of the sum."""
+    ``counts``: tokens per expert (``bincount`` of ``ids``). ``shares`` (expert parallel):
+    expert -> (i, n), this rank runs every n-th of the expert's tokens from the i-th (an expert
+    replicated on n ranks splits its tokens; (0, 1): all of them); experts absent from it are
+    another rank's share of the sum."""
     k = ids.shape[1]
     if x.shape[0] == 1:
         # A decode step of one sequence: the sort would cost more than it saves.
         out = torch.zeros_like(x)
         scale = weights[0].to(x.dtype)
         for j, e in enumerate(ids[0].tolist()):
-            if local is None or e in local:
+            if shares is None or shares.get(e, (1,))[0] == 0:   # a single token: the first holder
                 out.addcmul_(run_expert(e, x), scale[j])
         return out
     order = torch.argsort(ids.reshape(-1), stable=True)   # (token, slot) pairs by expert
     token_of = order // k
     # Expert outputs land in sorted order, go back to (token, slot) order with one copy, and
     # each token's k rows are weighted and summed: no scatter-add, the same sum every run.
-    by_expert = x.new_zeros(ids.numel(), x.shape[1]) if local is not None else x.new_empty(ids.numel(), x.shape[1])
+    by_expert = x.new_empty(ids.numel(), x.shape[1]) if shares is None else x.new_zeros(ids.numel(), x.shape[1])
     start = 0
     for expert, count in enumerate(counts):
-        if count and (local is None or expert in local):
-            by_expert[start:start + count] = run_expert(expert, x.index_select(0, token_of[start:start + count]))
+        share = (0, 1) if shares is None else shares.get(expert)
+        if count and share is not None and share[0] < count:
+            rows = slice(start + share[0], start + count, share[1])
+            by_expert[rows] = run_expert(expert, x.index_select(0, token_of[rows]))
         start += count
     by_slot = torch.empty_like(by_expert).index_copy_(0, order, by_expert)
     return torch.einsum("tkh,tk->th", by_slot.view(-1, k, x.shape[1]), weights.to(x.dtype))
@@ -119,12 +123,14 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
 
 class ExpertLoad:
     """Tokens routed to each expert of each MoE layer since the last reset, kept as one int64
-    tensor so recording a step is a single in-place add per layer. Nothing is ever dropped or
-    rerouted (no capacity limit), and ``dropped`` counts it to say so."""
+    tensor so recording a step is a single in-place add per layer; with expert parallelism
+    also the (token, expert) pairs each rank computed. Nothing is ever dropped or rerouted
+    (no capacity limit), and ``dropped`` counts it to say so."""
 
-    def __init__(self, num_layers: int, num_experts: int) -> None:
+    def __init__(self, num_layers: int, num_experts: int, num_ranks: Optional[int] = None) -> None:
         self.num_layers, self.num_experts = num_layers, num_experts
         self.counts = torch.zeros(num_layers, num_experts, dtype=torch.int64)
+        self.rank_pairs = torch.zeros(num_ranks, dtype=torch.int64) if num_ranks else None
         self.dropped = 0
 
     def record(self, layer: int, per_expert: torch.Tensor) -> None:
@@ -132,18 +138,19 @@ class ExpertLoad:
 
     def reset(self) -> None:
         self.counts.zero_()
+        if self.rank_pairs is not None:
+            self.rank_pairs.zero_()
         self.dropped = 0
 
-    def snapshot(self, ranks: Optional[list[range]] = None) -> dict:
+    def snapshot(self) -> dict:
         """Plain numbers: counts per layer and expert, the routed total, imbalance (max / mean)
-        per layer; with expert parallelism (``ranks``: each rank's experts) the (token, expert)
-        pairs each rank computed, summed over layers, and their imbalance."""
+        per layer; with expert parallelism the pairs each rank computed and their imbalance."""
         counts = self.counts.tolist()
         out = {"num_layers": self.num_layers, "num_experts": self.num_experts, "counts": counts,
                "routed": sum(map(sum, counts)), "dropped": self.dropped,
                "imbalance": [imbalance(row) for row in counts]}
-        if ranks is not None:
-            per_rank = [sum(row[e] for row in counts for e in experts) for experts in ranks]
+        if self.rank_pairs is not None:
+            per_rank = self.rank_pairs.tolist()
             out.update(per_rank=per_rank, rank_imbalance=imbalance(per_rank))
         return out
 
@@ -190,6 +197,11 @@ class SparseMoE(nn.Module):
             str(e): make_mlp(moe.expert_intermediate_size, expert_tp, False)
             for e in (self.local if expert_parallel else range(moe.num_experts))})
         self._by_id = {int(e): m for e, m in self.experts.items()}
+        self._new_expert = lambda: make_mlp(moe.expert_intermediate_size, SINGLE, False)
+        # Expert parallel: hot experts copied onto every rank split their tokens over the
+        # ranks (``set_replicas``); ``shares`` says which of each expert's tokens run here.
+        self.replicated: frozenset = frozenset()
+        self.shares = {e: (0, 1) for e in self.local} if expert_parallel else None
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = make_mlp(moe.shared_expert_intermediate_size, tp, False)
@@ -197,14 +209,50 @@ class SparseMoE(nn.Module):
         self.load: Optional[ExpertLoad] = None   # set by the model: shared by its MoE layers
         self.load_index = 0
 
+    def set_replicas(self, experts, build: Callable[[int, nn.Module], None]) -> None:
+        """Expert parallel: hold ``experts`` (besides this rank's own) on every rank from now
+        on. ``build(e, module)`` loads expert e's weights into a fresh module; replicas no
+        longer listed are dropped. Every rank must make the same call (the splits agree)."""
+        if not self.expert_parallel:
+            raise ValueError("expert replicas need expert parallelism")
+        wanted = frozenset(int(e) for e in experts)
+        for e in self.replicated - wanted:
+            if e not in self.local:
+                del self.experts[str(e)]
+                del self._by_id[e]
+        for e in sorted(wanted - self.replicated):
+            if e not in self.local:
+                module = self._new_expert()
+                build(e, module)
+                self.experts[str(e)] = module
+                self._by_id[e] = module
+        self.replicated = wanted
+        shares = {e: (0, 1) for e in self.local}
+        shares.update({e: (self.tp.rank, self.tp.size) for e in wanted})
+        self.shares = shares
+
+    def _record_rank_pairs(self, per_expert: torch.Tensor, counts: list[int]) -> None:
+        """(token, expert) pairs each rank computes this step: its own experts' tokens, and
+        every size-th token of each replicated expert (as ``combine_experts`` splits them)."""
+        size = self.tp.size
+        per_rank = per_expert.view(size, -1).sum(dim=1)
+        for e in self.replicated:
+            per_rank[e // (self.num_experts // size)] -= counts[e]
+            for r in range(size):
+                per_rank[r] += len(range(r, counts[e], size))
+        self.load.rank_pairs.add_(per_rank)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, hidden]
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         per_expert = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+        # one token needs no grouping (nor, without replicas, the counts)
+        counts = per_expert.tolist() if x.shape[0] > 1 or self.replicated else []
         if self.load is not None:
             self.load.record(self.load_index, per_expert)
+            if self.load.rank_pairs is not None:
+                self._record_rank_pairs(per_expert, counts)
         by_id = self._by_id
-        counts = per_expert.tolist() if x.shape[0] > 1 else []   # one token: no grouping
-        out = combine_experts(x, weights, ids, lambda e, rows: by_id[e](rows), counts, self.local)
+        out = combine_experts(x, weights, ids, lambda e, rows: by_id[e](rows), counts, self.shares)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out) if self.tp.is_parallel else out

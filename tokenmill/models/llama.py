@@ -21,7 +21,7 @@ from tokenmill.layers.activation import gated_activation
 from tokenmill.layers.attention.base import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.linear import Linear, MergedLinear
-from tokenmill.layers.moe import ExpertLoad, MoEArgs, SparseMoE, expert_shards
+from tokenmill.layers.moe import ExpertLoad, MoEArgs, SparseMoE
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.vocab import VocabParallelEmbedding
@@ -246,13 +246,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.moe_layers = [m for m in self.modules() if isinstance(m, SparseMoE)]
         # Tokens per expert, counted on every rank (the routing is replicated); None: dense.
-        self.expert_load = ExpertLoad(len(self.moe_layers), self.args.moe.num_experts) \
-            if self.moe_layers else None
+        self.expert_load = ExpertLoad(len(self.moe_layers), self.args.moe.num_experts,
+                                      tp.size if expert_parallel else None) if self.moe_layers else None
         for index, moe in enumerate(self.moe_layers):
             moe.load, moe.load_index = self.expert_load, index
-        # Expert parallel: the experts each rank holds (for per-rank load statistics).
-        self.expert_ranks = expert_shards(self.args.moe.num_experts, tp.size) \
-            if self.moe_layers and expert_parallel else None
 
     def skips_checkpoint_tensor(self, name: str) -> bool:
         """Expert parallel: the tensors of experts another rank holds are not this rank's."""

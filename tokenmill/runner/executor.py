@@ -54,6 +54,9 @@ class InProcessExecutor:
     def rank0_call(self, kind: str):
         return self.worker.handle(kind, None)
 
+    def call_all(self, kind: str, payload) -> list:
+        return [self.worker.handle(kind, payload)]
+
     def memory(self) -> list[dict]:
         return [self.worker.memory()]
 
@@ -104,6 +107,10 @@ class MultiprocExecutor:
         """Rank 0's answer to a stats request ("spec_snapshot", "expert_load", ...); every
         rank handles it (resets reach all), the others' answers are dropped."""
         return self._all(kind, None)[0]
+
+    def call_all(self, kind: str, payload) -> list:
+        """Every rank's answer to one request (a change all ranks must make together)."""
+        return self._all(kind, payload)
 
     def execute(self, so):
         self._send_all("execute", so)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch import nn
 
 from tokenmill.distributed.parallel_state import SINGLE, TPGroup
 from tokenmill.layers.cpu_ops import set_cpu_kernels
@@ -51,3 +52,57 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     model.quantization_method = spec.method   # what runs (a checkpoint's own scheme too)
     model.eval()
     return model
+
+
+class _ReplicaHolder(nn.Module):
+    """One expert module under a short name, with the model's checkpoint-name mapping, so
+    ``load_weights`` can fill it from the checkpoint tensors of that expert alone."""
+
+    def __init__(self, module: nn.Module, stacked_params: dict) -> None:
+        super().__init__()
+        self.expert = module
+        self.stacked_params = stacked_params
+
+
+def load_expert_replicas(model: nn.Module, checkpoint, plan: list, dtype: torch.dtype,
+                         quantization: Optional[str], quant_activations: str, cpu_kernels: bool,
+                         cpu_weight_prepack: bool) -> None:
+    """Expert parallel: make MoE layer i hold ``plan[i]`` (expert ids) on this rank too, their
+    weights read from ``checkpoint`` and prepared as at load time (quantization, kernels,
+    prepacked copies); earlier replicas not in the plan are dropped."""
+    from tokenmill.layers.linear import Linear
+    from tokenmill.layers.quant import ONLINE_METHODS, method_for
+    spec = resolve_quant_spec(quantization, checkpoint)
+    if spec.method not in ("none",) + ONLINE_METHODS:
+        raise ValueError(f"replicating experts of {spec.method} checkpoints is not supported "
+                         "(online int8 / int4 / fp8 and float weights are)")
+    if len(plan) != len(model.moe_layers):
+        raise ValueError(f"an expert plan lists {len(plan)} layers, the model has {len(model.moe_layers)} MoE layers")
+    paths = {id(m): name for name, m in model.named_modules()}
+    by_prefix: dict[str, nn.Module] = {}   # checkpoint name prefix of one new replica -> it
+    for layer, (moe, experts) in enumerate(zip(model.moe_layers, plan)):
+        ckpt_prefix = paths[id(moe)] + ".experts."
+        def build(e: int, module: nn.Module, ckpt_prefix=ckpt_prefix) -> None:
+            for name, lin in module.named_modules():
+                if isinstance(lin, Linear):
+                    lin.set_quant_method(method_for(spec, f"{ckpt_prefix}{e}.{name}", lin))
+            by_prefix[f"{ckpt_prefix}{e}."] = module
+        moe.set_replicas(experts, build)
+    if not by_prefix:
+        return
+    groups: dict[str, list] = {p: [] for p in by_prefix}
+    for name, tensor in checkpoint.iter_tensors(lazy=True):
+        for prefix in groups:
+            if name.startswith(prefix):
+                groups[prefix].append(("expert." + name[len(prefix):], tensor))
+    added = 0
+    for prefix, module in by_prefix.items():
+        holder = _ReplicaHolder(module, model.stacked_params)
+        load_weights(holder, groups[prefix])
+        holder.to(dtype=dtype)
+        process_weights_after_loading(holder)
+        set_quant_activations(holder, quant_activations)
+        set_cpu_kernels(holder, cpu_kernels)
+        if cpu_weight_prepack:
+            added += prepack_linears(holder) + tile_packed_linears(holder)
+    model.prepacked_bytes += added

@@ -104,6 +104,9 @@ class RayExecutor:
     def init_cache(self, num_blocks: int, block_size: int) -> int:
         return self._call_all("init_cache", (num_blocks, block_size))[0]
 
+    def call_all(self, kind: str, payload) -> list:
+        return self._call_all(kind, payload)
+
     def rank0_call(self, kind: str):
         return self._call_all(kind, None)[0]
 

@@ -77,6 +77,7 @@ class RankWorker:
         self.device = _rank_device(spec.rank)
         self.model = None
         self.runner = None
+        self.checkpoint = None
 
     def load(self, checkpoint=None) -> RankInfo:
         """Build this rank's shard (from ``checkpoint`` when the caller has it open)."""
@@ -89,6 +90,7 @@ class RankWorker:
         if self.device.type == "cpu":
             native.build()
         checkpoint = checkpoint if checkpoint is not None else open_checkpoint(s.model_path)
+        self.checkpoint = checkpoint   # hot-expert replicas are read from it later
         self.model = build_model(checkpoint, self.device, _dtype(s.dtype),
                                  s.max_model_len, quantization=s.quantization,
                                  quant_activations=s.quant_activations,
@@ -151,7 +153,13 @@ class RankWorker:
             if kind == "expert_load_reset":
                 load.reset()
                 return True
-            return load.snapshot(self.model.expert_ranks)
+            return load.snapshot()
+        if kind == "replicate_experts":
+            from tokenmill.runner.model_loader import load_expert_replicas
+            s = self.spec
+            load_expert_replicas(self.model, self.checkpoint, payload, _dtype(s.dtype), s.quantization,
+                                 s.quant_activations, s.cpu_kernels, s.cpu_weight_prepack)
+            return True
         raise ValueError(f"unknown worker request {kind!r}")
 
 
