@@ -71,6 +71,10 @@ def method_for(spec: QuantSpec, module_name: str, layer: nn.Module,
         # with an int4 head, 31.1 with an int8 one or a float one); int8 keeps it cheap.
         return Int8Method(use_kernel=spec.use_kernel)
     if spec.method == "int4":
+        if layer.in_features % 32:
+            # The nibble layout packs 32 inputs per block; a narrower or ragged input (a
+            # small MoE expert's down_proj, say) would not pack: int8 keeps it quantized.
+            return Int8Method(use_kernel=spec.use_kernel)
         return Int4Method(spec.group_size, use_kernel=spec.use_kernel)
     if spec.method == "fp8":
         return FP8Method(use_kernel=spec.use_kernel)
