@@ -144,3 +144,33 @@ def test_stacks_the_c_path_cannot_reproduce_are_not_planned(tmp_path, tiny_llama
     assert planned is not None and planned.usable() and planned.activations() == "fp32"
     set_quant_activations(model, "q8")   # integer-dot activations: the C path runs them too
     assert planned.usable() and planned.activations() == "q8"
+
+
+@pytest.fixture(scope="module")
+def mixtral_dir(tmp_path_factory):
+    import transformers
+    path = tmp_path_factory.mktemp("tiny_mixtral")
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, initializer_range=0.3, max_position_embeddings=256)
+    transformers.MixtralForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("batch,quantization", [(1, None), (3, None), (3, "int8:q8"), (12, "int4-g32")])
+def test_moe_stack_runs_attention_in_c_bit_identical(mixtral_dir, monkeypatch, batch, quantization):
+    """An MoE model takes the C stack for each layer's attention half, its experts as
+    modules in between: the same bits as the module path."""
+    quantization, _, activations = (quantization or "").partition(":")
+    prompts = (PROMPTS * 4)[:batch]
+    used: list = []
+    fused = _generate(mixtral_dir, prompts, True, monkeypatch, used, quantization or None,
+                      activations=activations or "fp32")
+    plain = _generate(mixtral_dir, prompts, False, monkeypatch, [], quantization or None,
+                      activations=activations or "fp32")
+    assert any(used), "the fused path never ran on decode steps"
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: v.logprob for t, v in la.items()} == {t: v.logprob for t, v in lb.items()}

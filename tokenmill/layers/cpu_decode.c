@@ -19,6 +19,8 @@
  * the per-slot scales of int8 caches (K/V quantized on write like kv_quant.quantize_kv).
  * scratch holds T * (2H + Q + Hq D + 3I + max(Q, 2I, H) + max(H, Hq D, I)) floats,
  * Q = (Hq + 2Hkv) D. q8: int8 / int4 linears take int8-rounded activations (tm_qmm_q8).
+ * ffn_in: NULL, or [T, H] floats that receive rmsnorm(x) after attention instead of running
+ * the FFN (MoE layers: the caller runs its experts on it and adds them to x).
  * Returns 1 if attention, 2 if the q8 kernel, could not allocate its buffer. */
 #include <float.h>
 
@@ -93,7 +95,7 @@ int tm_llama_decode(float *x, int64_t T, int64_t H, int64_t L,
                     const int64_t *slots, int64_t bs, const int64_t *block_tables,
                     int64_t bt_stride, int64_t B, const int64_t *q_start,
                     const int64_t *q_len, const int64_t *seq_len, float scale,
-                    float *scratch, int q8, int nthreads) {
+                    float *scratch, float *ffn_in, int q8, int nthreads) {
     const int64_t nqkv = (Hq + 2 * Hkv) * D, kv_row = Hkv * D;
     float *h = scratch, *h2 = h + T * H, *qkv = h2 + T * H, *att = qkv + T * nqkv;
     float *gu = att + T * Hq * D, *act = gu + T * 2 * I, *tmp = act + T * I;
@@ -122,6 +124,10 @@ int tm_llama_decode(float *x, int64_t T, int64_t H, int64_t L,
             return 1;
         if (dec_linear(lin + per_linear, att, T, Hq * D, H, h, tmp, xp, q8, nthreads)) return 2;
         tm_rms_norm(h, x, (const float *)ln2[l], eps, T, H, h2, nthreads);   /* x += h */
+        if (ffn_in) {
+            memcpy(ffn_in, h2, sizeof(float) * (size_t)(T * H));
+            continue;
+        }
         if (dec_linear(lin + 2 * per_linear, h2, T, H, 2 * I, gu, tmp, xp, q8, nthreads)) return 2;
         tm_silu_mul(gu, T, I, act, nthreads);
         if (dec_linear(lin + 3 * per_linear, act, T, I, H, h, tmp, xp, q8, nthreads)) return 2;

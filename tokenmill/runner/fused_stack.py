@@ -10,6 +10,9 @@ SiLU, RoPE; no sliding window, no q/k norm, no hooks), the layers run back to ba
 the same kernels in the same order, so the hidden states are bit-identical to the module
 path. Anything else returns None and the caller runs its modules.
 
+MoE models (every layer's FFN a ``SparseMoE``) take it layer by layer: the C call runs a
+layer's attention half and returns the normed FFN input; the experts run as modules on it.
+
 It never runs a tensor-parallel model: its C loop has no all-reduce between the split
 layers, so a rank would return its partial sums as if they were the hidden states.
 """
@@ -72,12 +75,13 @@ class _StackPlan:
     """Per-model constants of the fused stack: dims, norm-weight addresses and the linear
     descriptors (float32 weights or packed parts the quantized kernel reads)."""
 
-    def __init__(self, model: nn.Module, descs: list) -> None:
+    def __init__(self, model: nn.Module, descs: list, moe_ffns: Optional[list] = None) -> None:
         layers = model.model.layers
         a0 = layers[0].self_attn
         self.hidden = model.args.hidden_size
         self.heads, self.kv_heads, self.head_dim = a0.num_heads, a0.num_kv_heads, a0.head_dim
-        self.inter = layers[0].mlp.down_proj.in_features
+        self.moe_ffns = moe_ffns   # MoE: each layer's SparseMoE, run between the C calls
+        self.inter = 0 if moe_ffns else layers[0].mlp.down_proj.in_features
         self.eps = float(layers[0].input_layernorm.eps)
         self.scale = float(a0.scale)
         self.rotary = a0.rotary
@@ -97,7 +101,12 @@ class _StackPlan:
         self.ln1 = torch.tensor([l.input_layernorm.weight.data_ptr() for l in layers], dtype=torch.int64)
         self.ln2 = torch.tensor([l.post_attention_layernorm.weight.data_ptr() for l in layers],
                                 dtype=torch.int64)
-        self.linears = torch.tensor([v for _, desc, _ in descs for v in desc], dtype=torch.int64)
+        rows = [v for _, desc, _ in descs for v in desc]   # MoE: qkv and o only; C keeps 4 slots
+        if moe_ffns:
+            width = len(descs[0][1])
+            rows = [v for layer in range(len(layers))
+                    for v in rows[layer * 2 * width:(layer + 1) * 2 * width] + _NO_PART * DEC_PARTS * 2]
+        self.linears = torch.tensor(rows, dtype=torch.int64)
         self._caches: list = []
         self.packed_methods = list({id(lin.quant_method): lin.quant_method
                                     for lin, _, pin in descs if isinstance(pin, list)}.values())
@@ -146,43 +155,56 @@ def stack_plan(model: nn.Module) -> Optional[_StackPlan]:
     plan = model.__dict__.get("_fused_stack_plan", False)
     if plan is False:
         plan = None
-        if _plain_llama_stack(model):
+        kind = _plain_llama_stack(model)
+        if kind is not None:
             descs = []
             for layer in model.model.layers:
-                a, m = layer.self_attn, layer.mlp
-                for lin in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj):
+                a = layer.self_attn
+                linears = (a.qkv_proj, a.o_proj) if kind == "moe" else \
+                    (a.qkv_proj, a.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+                for lin in linears:
                     desc = _linear_desc(lin)
                     if desc is None:
                         break
                     descs.append((lin, *desc))
-            if len(descs) == 4 * len(model.model.layers):
-                plan = _StackPlan(model, descs)
+            per_layer = 2 if kind == "moe" else 4
+            if len(descs) == per_layer * len(model.model.layers):
+                ffns = [layer._modules[layer.ffn_name] for layer in model.model.layers] if kind == "moe" else None
+                plan = _StackPlan(model, descs, ffns)
         model.__dict__["_fused_stack_plan"] = plan
     return plan
 
 
-def _plain_llama_stack(model: nn.Module) -> bool:
+def _plain_llama_stack(model: nn.Module) -> Optional[str]:
+    """"dense" (the whole layer in C), "moe" (attention in C, experts as modules) or None."""
     if getattr(model, "tp", None) is not None and model.tp.size != 1:
-        return False   # split layers need their all-reduces
+        return None   # split layers need their all-reduces
     from tokenmill.layers.activation import SiluAndMul
     from tokenmill.layers.norm import RMSNorm
     from tokenmill.layers.rotary import RotaryEmbedding
+    from tokenmill.layers.moe import SparseMoE
     from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    from tokenmill.models.mixtral import MixtralDecoderLayer
     layers = list(model.model.layers)
     if not layers:
-        return False
+        return None
     a0, n0 = layers[0].self_attn, layers[0].input_layernorm
+    moe = all(type(layer._modules.get(layer.ffn_name)) is SparseMoE for layer in layers)
     for layer in layers:
-        a, m = layer.self_attn, getattr(layer, "mlp", None)   # Mixtral's is block_sparse_moe
+        a, m = layer.self_attn, layer._modules.get(layer.ffn_name)
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if not (type(layer) is LlamaDecoderLayer and type(a) is LlamaAttention and type(m) is LlamaMLP
+        ffn_ok = moe or (type(layer) is LlamaDecoderLayer and type(m) is LlamaMLP and type(m.act) is SiluAndMul)
+        if not (type(layer) in (LlamaDecoderLayer, MixtralDecoderLayer) and type(a) is LlamaAttention and ffn_ok
                 and all(type(n) is RMSNorm and n.eps == n0.eps and _fp32_cpu(n.weight) for n in norms)
-                and type(m.act) is SiluAndMul and type(a.rotary) is RotaryEmbedding
+                and type(a.rotary) is RotaryEmbedding
                 and a.rotary is a0.rotary and a.q_norm is None and a.sliding_window is None
                 and a.scale == a0.scale and a.head_dim % 2 == 0
+                and a.clip_qkv is None
                 and (a.num_heads, a.num_kv_heads, a.head_dim) == (a0.num_heads, a0.num_kv_heads, a0.head_dim)):
-            return False
-    return _fp32_cpu(a0.rotary.cos) and a0.rotary.cos.is_contiguous() and a0.rotary.sin.is_contiguous()
+            return None
+    if not (_fp32_cpu(a0.rotary.cos) and a0.rotary.cos.is_contiguous() and a0.rotary.sin.is_contiguous()):
+        return None
+    return "moe" if moe else "dense"
 
 
 def may_apply(model: nn.Module, num_tokens: int, meta, backend) -> bool:
@@ -236,16 +258,28 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
     seq_len = meta.seq_lens.contiguous()
     slots = meta.slot_mapping.contiguous()
     kc, vc, ks, vs = caches
-    failed = native.library().tm_llama_decode(
-        x.data_ptr(), t, h, plan.num_layers, plan.ln1.data_ptr(), plan.ln2.data_ptr(),
-        plan.linears.data_ptr(), kc.data_ptr(), vc.data_ptr(),
-        ks.data_ptr() if ks is not None else None, vs.data_ptr() if vs is not None else None,
-        hq, hkv, d, i, plan.eps,
-        plan.rotary.cos.data_ptr(), plan.rotary.sin.data_ptr(), positions.data_ptr(),
-        slots.data_ptr(), plan.block_size, tables.data_ptr(), tables.shape[1],
-        len(meta.query_lens), q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(),
-        plan.scale, scratch.data_ptr(), int(activations == "q8"), torch.get_num_threads())
-    if failed:
-        raise MemoryError("fused decode: the " + ("attention" if failed == 1 else "quantized matmul")
-                          + " kernel could not allocate its buffer")
+
+    def call(first: int, count: int, ffn_in) -> None:
+        def at(addresses):   # the address array from layer ``first`` on
+            return None if addresses is None else addresses.data_ptr() + 8 * first
+        failed = native.library().tm_llama_decode(
+            x.data_ptr(), t, h, count, at(plan.ln1), at(plan.ln2),
+            plan.linears.data_ptr() + 8 * first * 4 * DEC_PARTS * DEC_FIELDS, at(kc), at(vc),
+            at(ks), at(vs), hq, hkv, d, i, plan.eps,
+            plan.rotary.cos.data_ptr(), plan.rotary.sin.data_ptr(), positions.data_ptr(),
+            slots.data_ptr(), plan.block_size, tables.data_ptr(), tables.shape[1],
+            len(meta.query_lens), q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(),
+            plan.scale, scratch.data_ptr(), None if ffn_in is None else ffn_in.data_ptr(),
+            int(activations == "q8"), torch.get_num_threads())
+        if failed:
+            raise MemoryError("fused decode: the " + ("attention" if failed == 1 else "quantized matmul")
+                              + " kernel could not allocate its buffer")
+
+    if plan.moe_ffns is None:
+        call(0, plan.num_layers, None)
+        return x
+    ffn_in = torch.empty(t, h, dtype=torch.float32)
+    for layer, ffn in enumerate(plan.moe_ffns):
+        call(layer, 1, ffn_in)     # attention half; ffn_in = post-attention norm of x
+        x = x + ffn(ffn_in)        # as the decoder layer adds its FFN output
     return x
