@@ -188,6 +188,8 @@ def _plain_llama_stack(model: nn.Module) -> Optional[str]:
     layers = list(model.model.layers)
     if not layers:
         return None
+    if not all(type(layer) in (LlamaDecoderLayer, MixtralDecoderLayer) for layer in layers):
+        return None   # other decoders (Gemma3's sandwich norms) have their own layer shape
     a0, n0 = layers[0].self_attn, layers[0].input_layernorm
     moe = all(type(layer._modules.get(layer.ffn_name)) is SparseMoE for layer in layers)
     for layer in layers:
