@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.parallel_state import SINGLE, TPGroup, split_evenly
-from tokenmill.utils.moe_stats import imbalance
+from tokenmill.utils.moe_stats import load_summary
 
 
 @dataclass(frozen=True)
@@ -145,14 +145,8 @@ class ExpertLoad:
     def snapshot(self) -> dict:
         """Plain numbers: counts per layer and expert, the routed total, imbalance (max / mean)
         per layer; with expert parallelism the pairs each rank computed and their imbalance."""
-        counts = self.counts.tolist()
-        out = {"num_layers": self.num_layers, "num_experts": self.num_experts, "counts": counts,
-               "routed": sum(map(sum, counts)), "dropped": self.dropped,
-               "imbalance": [imbalance(row) for row in counts]}
-        if self.rank_pairs is not None:
-            per_rank = self.rank_pairs.tolist()
-            out.update(per_rank=per_rank, rank_imbalance=imbalance(per_rank))
-        return out
+        return load_summary(self.counts.tolist(), self.dropped,
+                            None if self.rank_pairs is None else self.rank_pairs.tolist())
 
 
 def expert_shards(num_experts: int, size: int) -> list[range]:
