@@ -6,42 +6,30 @@ import pytest
 import torch
 
 pytest.importorskip("gguf")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 from tests.models.gguf_moe_writer import write_moe_gguf  # noqa: E402
-from tests.models.test_tiny_architectures import (  # noqa: E402
-    NUM_TOKENS, PROMPTS, _hf_greedy, _randomize_norms_and_biases)
+from tests.models.test_moe_architectures import build_tiny_moe  # noqa: E402
+from tests.models.test_tiny_architectures import NUM_TOKENS, PROMPTS, assert_matches_hf  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.layers.quant.checkpoint_methods import GGUFMethod  # noqa: E402
 
-COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-              initializer_range=0.3, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-              num_experts_per_tok=2)
 # What GGUF can express (every layer sparse, no sliding window), else the shapes of
 # test_moe_architectures: both settings of norm_topk_prob, a shared expert, head_dim != hidden /
 # heads, OLMoE's qkv clip. Qwen3-MoE's expert width is a multiple of 32, Q8_0's block
-# along the down projection's input.
+# along the down projection's input. GGUF architecture -> (test_moe_architectures name, changes)
 ARCHS = {
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, sliding_window=None)),
-    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
-        num_experts=6, moe_intermediate_size=32, shared_expert_intermediate_size=80, norm_topk_prob=False,
-        use_sliding_window=False)),
-    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        num_experts=8, moe_intermediate_size=64, head_dim=32, norm_topk_prob=True, num_experts_per_tok=3)),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, clip_qkv=2.5)),
+    "mixtral": ("mixtral", dict(sliding_window=None)),
+    "qwen2moe": ("qwen2_moe", dict(mlp_only_layers=[], use_sliding_window=False)),
+    "qwen3moe": ("qwen3_moe", dict(moe_intermediate_size=64)),
+    "olmoe": ("olmoe", {}),
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
 
 
 def build_hf(arch: str, directory) -> torch.nn.Module:
-    """A seeded tiny model, norms and biases random too, saved to ``directory``."""
-    config_cls, model_cls, extra = ARCHS[arch]
-    torch.manual_seed(0)
-    hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**COMMON, **extra})).float().eval()
-    _randomize_norms_and_biases(hf)
-    hf.save_pretrained(directory, safe_serialization=True)
-    return hf
+    name, overrides = ARCHS[arch]
+    return build_tiny_moe(name, directory, **overrides)
 
 
 def _generate(llm: LLM):
@@ -64,13 +52,7 @@ def f32(request, tmp_path_factory):
 
 def test_f32_gguf_matches_hf_greedy_and_logprobs(f32):
     _, hf, path, _ = f32
-    for prompt, out in zip(PROMPTS, _generate(_llm(path))):
-        tokens = out.token_ids
-        assert tokens == _hf_greedy(hf, prompt)
-        with torch.no_grad():
-            ref = torch.log_softmax(hf(torch.tensor([prompt + tokens])).logits[0].float(), -1)
-        for k, (tok, entry) in enumerate(zip(tokens, out.logprobs)):
-            assert abs(entry[tok].logprob - ref[len(prompt) - 1 + k, tok].item()) < 1e-4, (k, tok)
+    assert_matches_hf(hf, _llm(path))
 
 
 def _expert_methods(llm: LLM) -> set[type]:

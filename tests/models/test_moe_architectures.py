@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tests.models.test_tiny_architectures import PROMPTS, NUM_TOKENS, _hf_greedy, _randomize_norms_and_biases
+from tests.models.test_tiny_architectures import PROMPTS, _randomize_norms_and_biases, assert_matches_hf
 
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -24,10 +24,12 @@ ARCHS = {
 }
 
 
-def build_tiny_moe(name, path):
+def build_tiny_moe(name, path, **overrides):
+    """The seeded tiny ``name`` model of ARCHS (config fields replaced by ``overrides``),
+    saved to ``path`` and read back by transformers."""
     import transformers
     config_cls, model_cls, extra = ARCHS[name]
-    cfg = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    cfg = getattr(transformers, config_cls)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(0)
     hf = getattr(transformers, model_cls)(cfg).float().eval()
     _randomize_norms_and_biases(hf)
@@ -45,15 +47,7 @@ def tiny(request, tmp_path_factory):
 
 def test_greedy_and_logprobs_match_hf(tiny):
     _, hf, llm = tiny
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    for prompt, out in zip(PROMPTS, outs):
-        tokens = out.outputs[0].token_ids
-        assert tokens == _hf_greedy(hf, prompt)
-        with torch.no_grad():
-            ref = torch.log_softmax(hf(torch.tensor([prompt + tokens])).logits[0].float(), -1)
-        for k, (tok, entry) in enumerate(zip(tokens, out.outputs[0].logprobs)):
-            assert abs(entry[tok].logprob - ref[len(prompt) - 1 + k, tok].item()) < 1e-4
+    assert_matches_hf(hf, llm)
 
 
 def test_expert_load_counts_every_routed_token(tiny):

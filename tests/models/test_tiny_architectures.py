@@ -67,6 +67,11 @@ def _hf_greedy(hf, prompt):
 
 def test_greedy_and_logprobs_match_hf(tiny):
     hf, llm = tiny
+    assert_matches_hf(hf, llm)
+
+
+def assert_matches_hf(hf, llm):
+    """Greedy continuations of PROMPTS equal HF generate; logprobs within 1e-4 of HF's."""
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
