@@ -32,6 +32,8 @@ class ModelRunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     # req_id -> draft tokens proposed for the next step (speculative decoding)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> pooled vector of a pooling request whose prompt was completed this step
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -46,6 +48,7 @@ class EngineCoreOutput:
     finish_reason: Optional[str] = None
     stop_reason: object = None
     error: Optional[str] = None
+    pooled: Optional[list[float]] = None     # a pooling request's vector (with finished)
 
 
 @dataclass
@@ -73,3 +76,31 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """The result of a pooling request, in vLLM's spelling (``out.outputs.embedding``).
+    ``outputs`` is None until it finishes, and stays None when it failed (``error``)."""
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: Optional[EmbeddingOutput]
+    finished: bool
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+    num_cached_tokens: int = 0
+
+
+def failure_reasons(out) -> list[Optional[str]]:
+    """Why a finished RequestOutput / EmbeddingRequestOutput failed: one entry per failed
+    sample (its message may be None), empty when nothing failed."""
+    if isinstance(out, EmbeddingRequestOutput):
+        return [out.error] if out.finish_reason == "error" else []
+    return [c.error for c in out.outputs if c.finish_reason == "error"]

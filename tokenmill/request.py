@@ -10,6 +10,7 @@ import enum
 import time
 from typing import Optional
 
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -41,21 +42,31 @@ _FINISH_REASONS = {
 
 
 class Request:
-    """Engine-side state of one sequence (one of the ``n`` samples of a user request)."""
+    """Engine-side state of one sequence (one of the ``n`` samples of a user request).
+
+    A *pooling* request (``pooling_params`` set) is prompt-only: ``max_tokens`` is 0, it never
+    samples and finishes once its prompt is computed. Its ``sampling_params`` are the defaults
+    and never drive sampling; they are there so code that reads them for every request needs
+    no None check."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, arrival_time: Optional[float] = None, priority: int = 0,
                  cache_salt: Optional[str] = None, parent_id: Optional[str] = None,
-                 sample_index: int = 0) -> None:
+                 sample_index: int = 0, grammar=None,
+                 pooling_params: Optional[PoolingParams] = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = params
+        self.pooling_params = pooling_params
         self.max_tokens = max_tokens              # resolved against max_model_len
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority                  # lower value = served first (priority policy)
         self.cache_salt = cache_salt
         self.parent_id = parent_id or request_id  # user-visible id shared by the n samples
         self.sample_index = sample_index
+        # tokenmill.structured.grammar.GrammarMatcher when the output follows a grammar: it
+        # tracks the output tokens (kept across preemption, as the tokens are).
+        self.grammar = grammar
         self.output_token_ids: list[int] = []
         # Draft tokens proposed for the next step: scheduled after the newest token, verified
         # by the target, then replaced (never appended to the output as such).
@@ -102,6 +113,14 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    @property
+    def needs_every_prompt_row(self) -> bool:
+        """Prompt logprobs and mean pooling read every prompt position's hidden state, so
+        the prefix cache must not skip any of them."""
+        if self.pooling_params is not None:
+            return self.pooling_params.needs_every_prompt_row
+        return self.sampling_params.prompt_logprobs is not None
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)

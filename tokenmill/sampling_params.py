@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
+from tokenmill.structured.params import StructuredOutputsParams
+
 _INT64_MAX = 2**63 - 1
 _MAX_STOP_STRINGS = 256
 _MAX_STOP_STRING_LEN = 1024
@@ -57,6 +59,9 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # A grammar the output must follow (JSON schema, regex, choice, Lark / GBNF); a dict is
+    # read as StructuredOutputsParams' fields.
+    structured_outputs: Optional[StructuredOutputsParams] = None
     # Set by the engine, not by users: token ids that end the request besides stop_token_ids.
     _all_stop_token_ids: frozenset = field(default=frozenset(), repr=False, compare=False)
 
@@ -65,6 +70,9 @@ class SamplingParams:
         self._validate_floats()
         self._normalize_stops()
         self._validate_logit_bias()
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs",
+                               StructuredOutputsParams.from_dict(self.structured_outputs))
 
     # -- validation ------------------------------------------------------------------------
     def _validate_counts(self) -> None:

@@ -320,3 +320,28 @@ def test_ngram_speculation_with_tp2_matches_one_process(tied_llama_dir):
         LLMEngine(EngineConfig(model=ModelConfig(model=tied_llama_dir, skip_tokenizer_init=True),
                                parallel=ParallelConfig(tensor_parallel_size=2),
                                speculative=SpeculativeConfig("medusa", 2)))
+
+
+def test_tp2_embeddings_match_one_process(tied_llama_dir):
+    """Pooling requests cross the wire to every rank (NewRequestData.pooling_params) and
+    their vectors come back from rank 0 (ModelRunnerOutput.pooled)."""
+    from tokenmill.pooling_params import PoolingParams
+
+    def embed(engine):
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(f"m{i}", {"prompt_token_ids": p}, PoolingParams())
+            engine.add_request(f"l{i}", {"prompt_token_ids": p}, PoolingParams(pooling_type="last"))
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs.embedding for o in engine.step() if o.finished})
+        return done
+
+    expected = embed(make_engine(tied_llama_dir, 1))
+    split = make_engine(tied_llama_dir, 2)
+    try:
+        got = embed(split)
+    finally:
+        split.shutdown()
+    assert got.keys() == expected.keys()
+    for key in expected:
+        np.testing.assert_allclose(got[key], expected[key], atol=1e-5, rtol=0)

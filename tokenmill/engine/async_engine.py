@@ -16,10 +16,11 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Optional, Union
 
 from tokenmill.engine.snapshot import EngineSnapshot, SnapshotCursor, snapshot_counters
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput, failure_reasons
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineSnapshot", "RequestHandle", "EngineDeadError",
@@ -81,6 +82,7 @@ class AsyncEngine:
         # Filled once loaded; read-only afterwards, so any thread may use them.
         self.tokenizer = None
         self.max_model_len: Optional[int] = None
+        self.compile_grammar: Optional[Callable] = None   # the engine's (thread-safe) compiler
         self._commands: "queue.SimpleQueue" = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Stream]] = {}
         self._thread: Optional[threading.Thread] = None
@@ -111,11 +113,17 @@ class AsyncEngine:
         return fut
 
     # -- requests (event-loop thread) ---------------------------------------------------------
-    async def add(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
-                  cache_salt: Optional[str] = None) -> "RequestHandle":
+    async def add(self, request_id: str, prompt, params: Union[SamplingParams, PoolingParams],
+                  priority: int = 0, cache_salt: Optional[str] = None) -> "RequestHandle":
         """Queue a request; bad input raises ValueError here, before any output. The caller
-        must ``close()`` the handle (it aborts the request if it has not finished)."""
+        must ``close()`` the handle (it aborts the request if it has not finished).
+        PoolingParams make a prompt-only request whose one output is an
+        EmbeddingRequestOutput."""
         self.check_accepting()
+        if isinstance(params, SamplingParams) and params.structured_outputs is not None:
+            # Compiled here, in a worker thread, so one slow schema never stalls the engine
+            # loop; the engine then finds it in the compile cache.
+            await asyncio.to_thread(self.compile_grammar, params.structured_outputs)
         loop = asyncio.get_running_loop()
         handle = RequestHandle(self, request_id)
         added: concurrent.futures.Future = concurrent.futures.Future()
@@ -156,6 +164,7 @@ class AsyncEngine:
             self.engine = self._build()
             self.tokenizer = self.engine.tokenizer
             self.max_model_len = self.engine.max_model_len
+            self.compile_grammar = self.engine.processor.compile_grammar
         except Exception as e:  # reported by /health; the server stays up to say so
             logger.exception("model load failed")
             self.load_error = f"{type(e).__name__}: {e}"
@@ -245,7 +254,7 @@ class AsyncEngine:
             error = None
             if out.finished:
                 del self._streams[out.request_id]
-                reasons = [c.error for c in out.outputs if c.finish_reason == "error"]
+                reasons = failure_reasons(out)
                 if reasons:
                     error = RequestFailedError(reasons[0] or "the request failed inside the model")
             loop, stream = target
@@ -319,6 +328,8 @@ class RequestHandle:
                 return
 
     def _record_timing(self, out: RequestOutput) -> None:
+        if isinstance(out, EmbeddingRequestOutput):
+            return   # generates no tokens: no time to first token, no gaps
         num_tokens = sum(len(c.token_ids) for c in out.outputs)
         new = num_tokens - self._num_tokens
         if new <= 0:

@@ -199,6 +199,9 @@ class DataParallelEngine:
         """Validate (ValueError, nothing queued, on bad input), route and queue a request."""
         if not self.healthy:
             raise RuntimeError(self.dead_error)
+        if not isinstance(params, SamplingParams):   # PoolingParams: not routed yet
+            raise ValueError("embeddings (pooling requests) do not run with "
+                             "data_parallel_size > 1 yet")
         request_id = request_id if request_id is not None else self.processor.next_request_id()
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -21,6 +21,7 @@ from tokenmill.models.registry import check_parallel_layout
 from tokenmill.models.loader import load_tokenizer, open_checkpoint
 from tokenmill.outputs import RequestOutput
 from tokenmill.platform import pick_device, resolve_dtype, set_num_threads
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.request import RequestStatus
 from tokenmill.runner.kv_tensors import bytes_per_block, decide_num_blocks, kv_storage_dtype
 from tokenmill.sampling_params import SamplingParams
@@ -73,7 +74,8 @@ class LLMEngine:
         lookahead = self.executor.init_cache(num_blocks, cc.block_size)   # rank 0 speculates
         self.scheduler = Scheduler(config.scheduler, cc, num_blocks, self.max_model_len,
                                    num_lookahead_tokens=lookahead)
-        self.processor = Processor(self.tokenizer, self.max_model_len, self.vocab_size)
+        self.processor = Processor(self.tokenizer, self.max_model_len, self.vocab_size,
+                                   hf.get("hidden_size"))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._expert_load_cache: Optional[tuple] = None   # (monotonic time, snapshot)
@@ -143,16 +145,25 @@ class LLMEngine:
             self.executor.rank0_call("spec_reset")   # rank 0 of the workers
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, request_id: Optional[str], prompt: PromptType, params: SamplingParams,
-                    priority: int = 0, cache_salt: Optional[str] = None) -> str:
-        """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
+    def add_request(self, request_id: Optional[str], prompt: PromptType,
+                    params: Union[SamplingParams, PoolingParams], priority: int = 0,
+                    cache_salt: Optional[str] = None) -> str:
+        """Validate and queue a request; raises ValueError (nothing queued) on bad input.
+        With PoolingParams it is a prompt-only request whose output is an
+        EmbeddingRequestOutput."""
         request_id = request_id if request_id is not None else self.processor.next_request_id()
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError("cache_salt must be a string")
         if self.output_processor.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, prompt_ids = self.processor.tokenize_prompt(prompt)
-        requests = self.processor.make_requests(request_id, prompt_ids, params, priority, cache_salt)
+        pooling = isinstance(params, PoolingParams)
+        text, prompt_ids = self.processor.tokenize_prompt(prompt, generates=not pooling)
+        if pooling:
+            requests = [self.processor.make_pooling_request(request_id, prompt_ids, params,
+                                                            priority, cache_salt)]
+        else:
+            requests = self.processor.make_requests(request_id, prompt_ids, params, priority,
+                                                    cache_salt)
         added = []
         try:
             for req in requests:

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.outputs import CompletionOutput, EngineCoreOutput, RequestOutput
+from tokenmill.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                               EngineCoreOutput, RequestOutput)
 from tokenmill.request import Request
 
 
@@ -35,6 +36,8 @@ class _Parent:
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
     first_token_time: Optional[float] = None
+    is_pooling: bool = False
+    pooled: Optional[list[float]] = None     # a pooling request's vector, once finished
 
 
 class OutputProcessor:
@@ -46,16 +49,18 @@ class OutputProcessor:
     def add(self, prompt: Optional[str], requests: list[Request]) -> None:
         first = requests[0]
         params = first.sampling_params
+        is_pooling = first.pooling_params is not None
         samples = {}
         for r in requests:
             detok = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and not is_pooling:
                 detok = IncrementalDetokenizer(self.tokenizer, params, r.prompt_token_ids)
             samples[r.request_id] = _Sample(r.sample_index, detok, params.logprobs is not None)
             self._child_to_parent[r.request_id] = first.parent_id
         self._parents[first.parent_id] = _Parent(
             first.parent_id, prompt, first.prompt_token_ids, samples,
-            params.prompt_logprobs is not None, arrival_time=first.arrival_time)
+            params.prompt_logprobs is not None, arrival_time=first.arrival_time,
+            is_pooling=is_pooling)
 
     def has(self, request_id: str) -> bool:
         return request_id in self._parents
@@ -105,6 +110,8 @@ class OutputProcessor:
             first_pos, entries = out.new_prompt_logprobs
             for k, entry in enumerate(entries):
                 parent.prompt_logprobs.setdefault(first_pos + k, entry)
+        if out.pooled is not None:
+            parent.pooled = out.pooled
         sample.token_ids.extend(out.new_token_ids)
         for tok, entry in zip(out.new_token_ids, out.new_logprobs):
             sample.cumulative_logprob += entry[tok].logprob
@@ -133,7 +140,9 @@ class OutputProcessor:
             if lp.decoded_token is None:
                 lp.decoded_token = self.tokenizer.decode([tok], skip_special_tokens=False)
 
-    def _make_output(self, parent: _Parent) -> RequestOutput:
+    def _make_output(self, parent: _Parent) -> "RequestOutput | EmbeddingRequestOutput":
+        if parent.is_pooling:
+            return self._make_embedding_output(parent)
         completions = []
         for s in sorted(parent.samples.values(), key=lambda s: s.index):
             completions.append(CompletionOutput(
@@ -151,3 +160,12 @@ class OutputProcessor:
         finished = all(c.finish_reason is not None for c in completions)
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, prompt_lps,
                              completions, finished, parent.num_cached_tokens)
+
+    @staticmethod
+    def _make_embedding_output(parent: _Parent) -> EmbeddingRequestOutput:
+        sample = next(iter(parent.samples.values()))
+        return EmbeddingRequestOutput(
+            parent.request_id, parent.prompt, parent.prompt_token_ids,
+            EmbeddingOutput(parent.pooled) if parent.pooled is not None else None,
+            sample.finish_reason is not None, sample.finish_reason, sample.error,
+            parent.num_cached_tokens)

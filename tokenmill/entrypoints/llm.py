@@ -9,7 +9,8 @@ from tokenmill.config import (CacheConfig, EngineConfig, ModelConfig, ParallelCo
                               SchedulerConfig, SpeculativeConfig)
 from tokenmill.engine.data_parallel import create_engine
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -76,6 +77,22 @@ class LLM:
             raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
         ids = self._add_all(prompts, params, priority)
         return self._run(ids, use_tqdm)
+
+    def embed(self, prompts, pooling_params: Union[None, PoolingParams, Sequence[PoolingParams]] = None,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One vector per prompt (``out.outputs.embedding``), in prompt order: the pooled final
+        hidden states of the prompt (PoolingParams: mean by default, L2-normalised). The
+        prompts run through the engine like prefills, batched and chunked."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params = list(pooling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} pooling_params for {len(prompts)} prompts")
+        return self._run(self._add_all(prompts, params, None), use_tqdm)
 
     def chat(self, messages, sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, **template_kwargs) -> list[RequestOutput]:

@@ -65,8 +65,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest cached prefix of full blocks. The last token is always left to compute,
         because its logits are needed to sample."""
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0   # prompt logprobs need every prompt position computed
+        if not self.enable_caching or request.needs_every_prompt_row:
+            return [], 0   # prompt logprobs and mean pooling read every prompt position
         max_tokens = request.num_tokens - 1
         hits: list[KVCacheBlock] = []
         for key in self._block_hashes(request, max_tokens):

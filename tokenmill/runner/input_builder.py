@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from tokenmill.layers.attention.metadata import AttentionMetadata
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -23,6 +24,10 @@ class RunnerRequestState:
     seed: Optional[int]
     generator: Optional[torch.Generator] = None
     spec_token_ids: list[int] = field(default_factory=list)   # drafts scheduled this step
+    pooling_params: Optional[PoolingParams] = None   # a prompt-only (pooling) request
+    # Pooling so far, float32 [hidden]: the sum of the computed prompt rows (mean) or the
+    # newest row (last); chunks of a prompt add to it step by step.
+    pooled: Optional[torch.Tensor] = None
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +58,16 @@ class PromptLogprobsSlice:
 
 
 @dataclass
+class PoolingSlice:
+    """A pooling request's rows of the flat [T] step: ``num_rows`` from ``first_row``."""
+
+    req_id: str
+    first_row: int
+    num_rows: int
+    completes_prompt: bool        # the step computes its last prompt row: pool and report
+
+
+@dataclass
 class ModelInput:
     input_ids: torch.Tensor            # [T] int64
     positions: torch.Tensor            # [T] int64
@@ -64,6 +79,7 @@ class ModelInput:
     # Per sample request: k drafts scored at k + 1 logits rows. Empty when no request has drafts
     # (then logits_indices holds one row per sample request).
     num_draft_tokens: list[int] = field(default_factory=list)
+    pooling: list[PoolingSlice] = field(default_factory=list)   # never in sample_req_ids
 
 
 def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, RunnerRequestState],
@@ -71,7 +87,7 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
     input_ids: list[int] = []
     positions: list[int] = []
     query_lens, seq_lens, block_tables = [], [], []
-    sample_req_ids, logits_indices, prompt_slices = [], [], []
+    sample_req_ids, logits_indices, prompt_slices, pooling = [], [], [], []
     num_draft_tokens: list[int] = []
     req_ids = list(num_scheduled_tokens)
     for req_id in req_ids:
@@ -83,7 +99,9 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
         query_lens.append(n)
         seq_lens.append(end)
         block_tables.append(state.block_ids)
-        if end >= state.num_tokens:   # reached the newest token (+ k drafts): sample after each
+        if state.pooling_params is not None:   # prompt-only: pooled, never sampled
+            pooling.append(PoolingSlice(req_id, offset, n, end >= state.num_tokens))
+        elif end >= state.num_tokens:   # reached the newest token (+ k drafts): sample after each
             num_drafts = end - state.num_tokens
             sample_req_ids.append(req_id)
             logits_indices.extend(range(offset + n - 1 - num_drafts, offset + n))
@@ -98,7 +116,7 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         attn_meta=meta, req_ids=req_ids, sample_req_ids=sample_req_ids,
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
-        prompt_logprobs=prompt_slices,
+        prompt_logprobs=prompt_slices, pooling=pooling,
         num_draft_tokens=num_draft_tokens if any(num_draft_tokens) else [])
 
 

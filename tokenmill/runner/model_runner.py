@@ -12,6 +12,8 @@ from tokenmill.runner import fused_stack
 from tokenmill.outputs import Logprob, ModelRunnerOutput
 from tokenmill.runner.input_builder import ModelInput, RunnerRequestState, build_model_input
 from tokenmill.runner.kv_tensors import allocate_kv_caches
+from tokenmill.runner.pooler import pool_rows
+from tokenmill.sample.grammar_mask import bitmask_rows
 from tokenmill.sample.metadata import RowSamplingState, build_sampling_metadata, make_request_generator
 from tokenmill.sample.rejection import RejectionSampler
 from tokenmill.sample.sampler import Sampler, compute_logprobs
@@ -78,7 +80,7 @@ class ModelRunner:
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
                 output_token_ids=list(new.output_token_ids), params=new.sampling_params,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-                seed=new.generator_seed, generator=generator)
+                seed=new.generator_seed, generator=generator, pooling_params=new.pooling_params)
         for cached in so.scheduled_cached_reqs:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -98,13 +100,14 @@ class ModelRunner:
         out = ModelRunnerOutput(req_ids=inp.req_ids, sampled_token_ids=[[] for _ in inp.req_ids])
         _flag_nonfinite(hidden, inp, out)
         self._prompt_logprobs(hidden, inp, out)
+        pool_rows(hidden, inp.pooling, self.states, out)
         last_rows = inp.logits_indices   # per sample request: hidden row of its newest token
         if inp.sample_req_ids:
             logits = self.model.compute_logits(hidden[inp.logits_indices])
             if inp.num_draft_tokens:
-                last_rows = inp.logits_indices[self._verify(logits, inp, out)]
+                last_rows = inp.logits_indices[self._verify(logits, inp, out, so.grammar_bitmask)]
             else:
-                self._sample(logits, inp, out)
+                self._sample(logits, inp, out, so.grammar_bitmask)
         for req_id, n in so.num_scheduled_tokens.items():
             self.states[req_id].num_computed_tokens += n
         if self.spec is not None:
@@ -120,7 +123,8 @@ class ModelRunner:
             return hidden
         return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta, self.backend)
 
-    def _sample(self, logits: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput) -> None:
+    def _sample(self, logits: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput,
+                grammar_bitmask) -> None:
         # logits [num_sample, V]. A row with NaN/inf logits fails only its own request.
         safe_logits, bad_rows = _zero_nonfinite_rows(logits)
         rows = []
@@ -130,7 +134,8 @@ class ModelRunner:
                 state.generator.manual_seed(step_seed(state.seed, len(state.output_token_ids)))
             rows.append(RowSamplingState(state.params, state.prompt_token_ids,
                                          state.output_token_ids, state.generator))
-        meta = build_sampling_metadata(rows, self.vocab_size, self.device, self.shared_generator)
+        meta = build_sampling_metadata(rows, self.vocab_size, self.device, self.shared_generator,
+                                       bitmask_rows(grammar_bitmask, inp.sample_req_ids, self.device))
         result = self.sampler(safe_logits, meta)
         sampled = result.sampled_token_ids.tolist()
         lp = result.logprobs.tolists() if result.logprobs is not None else None
@@ -145,15 +150,17 @@ class ModelRunner:
             if state.params.logprobs is not None and lp is not None:
                 out.logprobs[req_id] = [_position_logprobs(lp, row, state.params.logprobs)]
 
-    def _verify(self, logits: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput) -> list[int]:
+    def _verify(self, logits: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput,
+                grammar_bitmask) -> list[int]:
         """logits [sum(k + 1), V]: each sample request's newest token and its k drafts. Row j
         is shaped as if the drafts before it were output already, and seeded rows draw at
         output position n0 + j, like plain sampling. Returns the logits row of each request's
         last emitted token (the drafter continues from its hidden state)."""
-        rows, drafts = [], []
+        rows, drafts, row_req_ids = [], [], []
         for req_id in inp.sample_req_ids:
             state = self.states[req_id]
             drafts.append(state.spec_token_ids)
+            row_req_ids += [req_id] * (len(state.spec_token_ids) + 1)
             n0 = len(state.output_token_ids)
             for j in range(len(state.spec_token_ids) + 1):
                 generator = None if state.seed is None else make_request_generator(
@@ -162,7 +169,8 @@ class ModelRunner:
                                              state.output_token_ids + state.spec_token_ids[:j],
                                              generator))
         logits, bad_rows = _zero_nonfinite_rows(logits)
-        meta = build_sampling_metadata(rows, self.vocab_size, self.device, self.shared_generator)
+        meta = build_sampling_metadata(rows, self.vocab_size, self.device, self.shared_generator,
+                                       bitmask_rows(grammar_bitmask, row_req_ids, self.device))
         res = self.rejection_sampler(logits, meta, drafts)
         lp = res.logprobs.tolists() if res.logprobs is not None else None
         index = {req_id: i for i, req_id in enumerate(inp.req_ids)}

@@ -63,13 +63,16 @@ class SamplingMetadata:
     frequency_penalty: Optional[torch.Tensor] = None  # [B, 1] float32
     output_counts: Optional[torch.Tensor] = None  # [B, V] float32, occurrences in the output
     max_num_logprobs: Optional[int] = None  # K = max over rows asking for logprobs
+    # grammar: [B, ceil(V / 32)] int32 allowed-token bits (tokenmill.sample.grammar_mask)
+    token_bitmask: Optional[torch.Tensor] = None
     random_row_ids: list[int] = field(default_factory=list)
 
     @property
     def needs_processing(self) -> bool:
         """True when some logits processor (bias, min_tokens, penalties) has work this step."""
         return (self.bias_rows is not None or self.min_tokens_rows is not None
-                or self.repetition_penalty is not None or self.output_counts is not None)
+                or self.repetition_penalty is not None or self.output_counts is not None
+                or self.token_bitmask is not None)
 
 
 def make_request_generator(seed: int, device) -> torch.Generator:
@@ -81,7 +84,8 @@ def make_request_generator(seed: int, device) -> torch.Generator:
 
 
 def build_sampling_metadata(rows: list[RowSamplingState], vocab_size: int, device: torch.device,
-                            shared_generator: Optional[torch.Generator] = None) -> SamplingMetadata:
+                            shared_generator: Optional[torch.Generator] = None,
+                            token_bitmask: Optional[torch.Tensor] = None) -> SamplingMetadata:
     device = torch.device(device)
     params = [r.params for r in rows]
     random_ids = [i for i, p in enumerate(params) if not p.is_greedy]
@@ -90,7 +94,7 @@ def build_sampling_metadata(rows: list[RowSamplingState], vocab_size: int, devic
         all_greedy=not random_ids, all_random=len(random_ids) == len(rows),
         random_rows=None, temperature=None, top_k=None, top_p=None, min_p=None,
         unseeded_random=None, seeded_random=[], shared_generator=shared_generator,
-        random_row_ids=random_ids)
+        random_row_ids=random_ids, token_bitmask=token_bitmask)
     if random_ids:
         _fill_random_rows(meta, rows, random_ids, device)
     _fill_logit_bias(meta, params, device)

@@ -1,6 +1,7 @@
 """Logits processors that run before greedy / random selection, in this order:
 
-logit_bias -> min_tokens -> repetition penalty -> presence & frequency penalties.
+logit_bias -> min_tokens -> repetition penalty -> presence & frequency penalties -> grammar
+mask (last, so no bias or penalty can bring a banned token back).
 
 Each function updates ``logits`` in place; ``apply_logits_processors`` clones first so the raw
 model logits stay intact for logprobs.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.sample.grammar_mask import apply_token_bitmask
 from tokenmill.sample.metadata import SamplingMetadata
 
 
@@ -51,4 +53,6 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> tor
         apply_repetition_penalty(out, meta.repetition_penalty, meta.seen_mask)
     if meta.output_counts is not None:
         apply_presence_frequency(out, meta.presence_penalty, meta.frequency_penalty, meta.output_counts)
+    if meta.token_bitmask is not None:
+        apply_token_bitmask(out, meta.token_bitmask)
     return out

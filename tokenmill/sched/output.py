@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -17,6 +18,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     generator_seed: int | None       # per-request seed (already offset for the n-th sample)
+    pooling_params: PoolingParams | None = None   # set for a prompt-only (pooling) request
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,21 @@ class CachedRequestData:
 
 
 @dataclass(frozen=True)
+class GrammarBitmask:
+    """Allowed next tokens of the step's grammar-constrained requests that sample.
+
+    Request ``req_ids[i]`` owns k + 1 rows from ``row_starts[i]`` (k = its scheduled drafts):
+    the mask after its newest token, then after each draft. A row is ``words_per_row`` int32
+    words (little-endian in ``data``); bit ``t % 32`` of word ``t // 32`` set = token t allowed.
+    """
+
+    req_ids: list[str]
+    row_starts: list[int]
+    words_per_row: int
+    data: bytes
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
@@ -38,6 +55,7 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # req_id -> draft tokens scheduled after its newest token (counted in num_scheduled_tokens)
     scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

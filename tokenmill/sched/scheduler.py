@@ -18,7 +18,8 @@ from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.kv.kv_cache_manager import KVCacheManager
 from tokenmill.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenmill.request import Request, RequestStatus
-from tokenmill.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenmill.sched.output import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
+from tokenmill.structured.grammar import fill_bitmasks
 from tokenmill.sched.policy import RequestQueue, pick_victim
 
 
@@ -113,9 +114,29 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_ids, preempted_req_ids=preempted,
-            scheduled_spec_token_ids=spec)
+            scheduled_spec_token_ids=spec,
+            grammar_bitmask=self._grammar_bitmask(num_scheduled, spec))
         self._finished_ids = set()
         return out
+
+    def _grammar_bitmask(self, num_scheduled: dict[str, int],
+                         spec: dict[str, list[int]]) -> Optional[GrammarBitmask]:
+        """Masks of the grammar-constrained requests that sample this step (their scheduled
+        tokens reach the end of the sequence; a mid-prompt chunk samples nothing)."""
+        req_ids, entries, starts, num_rows = [], [], [], 0
+        for req_id, num_new in num_scheduled.items():
+            req = self.requests[req_id]
+            if req.grammar is None or req.num_computed_tokens + num_new < req.num_tokens:
+                continue
+            drafts = spec.get(req_id, [])
+            req_ids.append(req_id)
+            entries.append((req.grammar, drafts))
+            starts.append(num_rows)
+            num_rows += len(drafts) + 1
+        if not entries:
+            return None
+        words = entries[0][0].words_per_row
+        return GrammarBitmask(req_ids, starts, words, fill_bitmasks(entries, words).tobytes())
 
     def _allocate_running(self, req: Request, num_new: int) -> tuple[Optional[list[int]], int]:
         """Slots for num_new tokens plus the drafter's lookahead. Speculation is optional, so
@@ -137,7 +158,8 @@ class Scheduler:
             req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             output_token_ids=list(req.output_token_ids), sampling_params=req.sampling_params,
             block_ids=self.kv.block_ids(req.request_id),
-            num_computed_tokens=req.num_computed_tokens, generator_seed=_sample_seed(req)))
+            num_computed_tokens=req.num_computed_tokens, generator_seed=_sample_seed(req),
+            pooling_params=req.pooling_params))
         self._known_to_runner.add(req.request_id)
         return None
 
@@ -205,7 +227,10 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_ERROR)
             else:
                 self.kv.cache_computed_blocks(req)
+                if req.pooling_params is not None:   # prompt-only: samples no tokens
+                    self._finish_pooled(req, runner_out.pooled.get(req_id), out)
                 self._append_tokens(req, token_ids, out, runner_out.logprobs.get(req_id, []))
+                out.error = req.error
                 if not req.is_finished:
                     req.spec_token_ids = self._usable_drafts(
                         req, runner_out.draft_token_ids.get(req_id))
@@ -227,11 +252,15 @@ class Scheduler:
 
     def _usable_drafts(self, req: Request, drafts: Optional[list[int]]) -> list[int]:
         """Drop drafts that could only produce tokens past max_tokens or max_model_len (k drafts
-        make up to k + 1 tokens)."""
+        make up to k + 1 tokens), and those the request's grammar refuses (they would be
+        rejected anyway, and the grammar cannot step through them to mask what follows)."""
         if not drafts:
             return []
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-        return list(drafts[:max(room, 0)])
+        drafts = list(drafts[:max(room, 0)])
+        if req.grammar is not None and drafts:
+            drafts = drafts[:req.grammar.valid_prefix(drafts)]
+        return drafts
 
     def _append_tokens(self, req: Request, token_ids: list[int], out: EngineCoreOutput,
                        logprobs: list) -> None:
@@ -242,10 +271,33 @@ class Scheduler:
                 out.new_logprobs.append(logprobs[k])
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            status = self._check_stop(req, token)
+            status = self._advance_grammar(req, token) or self._check_stop(req, token)
             if status is not None:
                 self._finish(req, status)
                 break
+
+    @staticmethod
+    def _advance_grammar(req: Request, token: int) -> Optional[RequestStatus]:
+        """Step the request's grammar over an emitted token. A terminated grammar only lets
+        an end-of-sequence token through, which the stop check ends the request on."""
+        grammar = req.grammar
+        if grammar is None or grammar.is_terminated or grammar.accept(token):
+            return None
+        req.error = f"token {token} is outside the request's grammar ({grammar.error})"
+        return RequestStatus.FINISHED_ERROR
+
+    def _finish_pooled(self, req: Request, pooled: Optional[list[float]],
+                       out: EngineCoreOutput) -> None:
+        """A pooling request is done once its whole prompt is computed; the runner pools the
+        step that computes the last prompt row."""
+        if req.num_computed_tokens < req.num_prompt_tokens:
+            return
+        if pooled is None:
+            req.error = out.error = "the runner returned no pooled vector"
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            return
+        out.pooled = pooled
+        self._finish(req, RequestStatus.FINISHED_STOPPED)
 
     def _check_stop(self, req: Request, token: int) -> Optional[RequestStatus]:
         params = req.sampling_params

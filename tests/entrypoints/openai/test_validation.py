@@ -44,7 +44,7 @@ CASES = [
     ("chat", {"messages": []}, "messages"),
     ("chat", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "no spaces allowed"}}]}, "tools"),
 ]
 
 

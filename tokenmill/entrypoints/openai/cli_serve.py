@@ -45,6 +45,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     g.add_argument("--disable-web-ui", action="store_true",
                    help="don't serve the playground (/) and the dashboard (/dashboard)")
+    g.add_argument("--pooling-type", default="mean", choices=["mean", "last"],
+                   help="how /v1/embeddings pools the final hidden states when a request "
+                        "does not say (its 'pooling' field)")
     _add_not_yet_args(p)
     p.set_defaults(func=cmd_serve)
     return p
@@ -99,7 +102,8 @@ def cmd_serve(args) -> int:
     engine = AsyncEngine(lambda: _build_engine(args),
                          max_pending=args.max_num_seqs + args.max_queued_requests)
     app = build_app(engine, args.served_model_name or args.model, args.api_key,
-                    args.max_request_body_bytes, web_ui=not args.disable_web_ui)
+                    args.max_request_body_bytes, web_ui=not args.disable_web_ui,
+                    pooling_type=args.pooling_type)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             access_log=args.access_log, timeout_graceful_shutdown=5)
     server = DrainingServer(config, app.state.server, args.drain_timeout)

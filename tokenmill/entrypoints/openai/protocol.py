@@ -56,6 +56,15 @@ class SamplingFields(_Body):
     user: Optional[str] = None
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
     cache_salt: Optional[Annotated[str, Field(min_length=1, max_length=256)]] = None
+    # vLLM extra: logprobs of the prompt tokens (top k), in the non-streamed response
+    prompt_logprobs: Optional[TopLogprobs] = None
+    # vLLM extra: the grammar the output must follow, StructuredOutputsParams' fields
+    # (checked there, so its messages reach the client); guided_* are vLLM's older spellings.
+    structured_outputs: Optional[dict] = None
+    guided_json: Union[None, str, dict] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
 
 PromptInput = Union[str, list[str], list[TokenId], list[list[TokenId]]]
@@ -63,6 +72,8 @@ PromptInput = Union[str, list[str], list[TokenId], list[list[TokenId]]]
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
+    # 0 only with echo: score the prompt without generating (checked by the route)
+    max_tokens: Optional[Annotated[int, Field(ge=0, le=_INT64)]] = None
     logprobs: Optional[TopLogprobs] = None
     echo: bool = False
     suffix: Optional[str] = None
@@ -74,10 +85,26 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: Union[str, dict] = "{}"   # OpenAI sends a JSON string; some clients a dict
+
+
+class ToolCall(_Body):
+    """A call the assistant made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None for an assistant message that only calls tools
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None   # assistant messages
+    tool_call_id: Optional[str] = None            # tool messages: the call they answer
 
     def text(self) -> str:
         if self.content is None:
@@ -87,19 +114,18 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(_Body):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Optional[MaxTokens] = None
     logprobs: bool = False
     top_logprobs: Optional[TopLogprobs] = None
     add_generation_prompt: bool = True
-    response_format: Optional[ResponseFormat] = None
+    # response_format, tools and tool_choice are checked by the route (serving_chat,
+    # tool_choice), so that every mistake in them is a 400 naming the top-level field.
+    response_format: Optional[dict] = None
     tools: Optional[list[dict]] = None
-    tool_choice: Optional[Union[Literal["none"], dict, str]] = None
+    tool_choice: Union[None, str, dict] = None
+    parallel_tool_calls: Optional[bool] = None   # False: at most one call
 
 
 class TokenizeRequest(_Body):
@@ -113,3 +139,18 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: Optional[str] = None
     tokens: list[TokenId]
+
+
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings (OpenAI's fields; ``pooling`` and ``normalize`` are vLLM-style
+    extras; ``user`` is accepted and ignored)."""
+
+    model: Optional[str] = None
+    input: PromptInput
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[Annotated[int, Field(ge=1)]] = None
+    user: Optional[str] = None
+    pooling: Optional[Literal["mean", "last"]] = None     # None: the server's --pooling-type
+    normalize: bool = True
+    priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1)] = 0
+    cache_salt: Optional[Annotated[str, Field(min_length=1, max_length=256)]] = None

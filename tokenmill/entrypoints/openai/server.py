@@ -16,9 +16,11 @@ from tokenmill.entrypoints import web
 from tokenmill.entrypoints.openai.errors import bad_request, error_body, install_handlers
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                   DetokenizeRequest, TokenizeRequest)
+                                                   DetokenizeRequest, EmbeddingRequest,
+                                                   TokenizeRequest)
 from tokenmill.entrypoints.openai.serving_chat import ChatServing, render_chat
 from tokenmill.entrypoints.openai.serving_completion import CompletionServing
+from tokenmill.entrypoints.openai.serving_embedding import EmbeddingServing
 
 # Routes that answer without the API key (a load balancer's probe has no key). The web
 # pages and their static files are open too when the web UI is on: they hold no data, and
@@ -45,6 +47,7 @@ class ServerState:
     api_key: Optional[str] = None
     max_body_bytes: int = 8 * 1024 * 1024
     web_ui: bool = True             # the playground and dashboard pages
+    pooling_type: str = "mean"      # /v1/embeddings' default ("mean" | "last")
     draining: bool = False
     num_inflight: int = 0           # HTTP requests being served, outside the allow lists
 
@@ -140,12 +143,15 @@ def _replay(body: bytes, receive):
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: Optional[str] = None,
-              max_body_bytes: int = 8 * 1024 * 1024, web_ui: bool = True) -> FastAPI:
+              max_body_bytes: int = 8 * 1024 * 1024, web_ui: bool = True,
+              pooling_type: str = "mean") -> FastAPI:
     """``web_ui``: serve the playground (/) and the dashboard (/dashboard); the engine stream
-    and per-request stats under /v1/engine answer either way (behind the key)."""
+    and per-request stats under /v1/engine answer either way (behind the key).
+    ``pooling_type``: how /v1/embeddings pools when a request does not say."""
     metrics = ServerMetrics(model_name)
     engine.stats_listeners.append(metrics.on_engine_snapshot)
-    state = ServerState(engine, model_name, metrics, api_key, max_body_bytes, web_ui)
+    state = ServerState(engine, model_name, metrics, api_key, max_body_bytes, web_ui,
+                        pooling_type=pooling_type)
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, docs_url=None,
                   redoc_url=None)
     app.state.server = state
@@ -161,6 +167,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: Optional[str] = Non
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     completions = CompletionServing(state.engine, state.model_name, state.metrics)
     chat = ChatServing(state.engine, state.model_name, state.metrics)
+    embeddings = EmbeddingServing(state.engine, state.model_name, state.metrics,
+                                  state.pooling_type)
     errors = {400: {"description": "invalid request"}}
 
     @app.post("/v1/completions", responses=errors)
@@ -170,6 +178,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/chat/completions", responses=errors)
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         return await chat.create(body, request)
+
+    @app.post("/v1/embeddings", responses=errors)
+    async def create_embedding(body: EmbeddingRequest, request: Request):
+        return await embeddings.create(body, request)
 
     @app.get("/v1/models")
     async def list_models():

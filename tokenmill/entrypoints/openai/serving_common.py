@@ -1,12 +1,13 @@
 """What /v1/completions and /v1/chat/completions share: model check, SamplingParams from a
-request, starting requests all-or-nothing, merging their streams, waiting with disconnect
-detection, usage and logprob formatting, SSE framing."""
+request (with its one output constraint), starting requests all-or-nothing, merging their
+streams, waiting with disconnect detection, usage and logprob formatting, SSE framing."""
 from __future__ import annotations
 
 import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Sequence
 
 from fastapi import Request
@@ -14,21 +15,58 @@ from fastapi import Request
 from tokenmill.engine.async_engine import (AsyncEngine, EngineDeadError, EngineNotReadyError,
                                            EngineOverloadedError, RequestFailedError,
                                            RequestHandle)
-from tokenmill.entrypoints.openai.errors import OpenAIError, error_body, from_value_error
+from tokenmill.entrypoints.openai.errors import (OpenAIError, bad_request, error_body,
+                                                 from_value_error)
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.protocol import SamplingFields
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.params import StructuredOutputsParams
 
 # Names a ValueError message may start with, to set the error's ``param``.
 PARAM_NAMES = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                "stop", "stop_token_ids", "logit_bias", "logprobs", "presence_penalty",
-               "frequency_penalty", "repetition_penalty", "prompt", "messages", "cache_salt")
+               "frequency_penalty", "repetition_penalty", "prompt_logprobs", "prompt", "messages",
+               "cache_salt", "structured_outputs")
+# vLLM's older top-level spellings of structured_outputs, and the field each one sets.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}
 _MIN_LOGPROB = -9999.0   # JSON has no -inf; clients get a very unlikely finite value instead
 
 
 class ClientDisconnected(Exception):
     """The HTTP client went away before its non-streamed answer was ready."""
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """The one grammar a request's output must follow, and the request field that asked for
+    it (the ``param`` of a 400 when it does not compile)."""
+
+    params: StructuredOutputsParams
+    field: str
+
+
+def output_constraint(req: SamplingFields,
+                      route_fields: Sequence[tuple[str, Optional[dict]]] = ()
+                      ) -> Optional[OutputConstraint]:
+    """The constraint of ``structured_outputs``, ``guided_*`` and the route's own fields
+    (``route_fields``: (field, StructuredOutputsParams fields or None)); at most one may be set,
+    since two grammars cannot both hold."""
+    given = [("structured_outputs", req.structured_outputs)]
+    given += [(name, {kind: getattr(req, name)}) for name, kind in _GUIDED_FIELDS.items()
+              if getattr(req, name) is not None]
+    given = [(name, fields) for name, fields in [*given, *route_fields] if fields is not None]
+    if len(given) > 1:
+        raise bad_request(f"{given[0][0]} and {given[1][0]} both constrain the output; "
+                          "set only one of them", given[1][0])
+    if not given:
+        return None
+    field, fields = given[0]
+    try:
+        return OutputConstraint(StructuredOutputsParams.from_dict(fields), field)
+    except (ValueError, TypeError) as e:
+        raise bad_request(str(e), field) from None
 
 
 class ServingBase:
@@ -44,11 +82,21 @@ class ServingBase:
 
     def sampling_params(self, req: SamplingFields, max_tokens: Optional[int],
                         logprobs: Optional[int], default_max_tokens: Optional[int],
-                        renames: Optional[dict] = None) -> SamplingParams:
+                        renames: Optional[dict] = None,
+                        prompt_logprobs: Optional[int] = None,
+                        constraint: Optional[OutputConstraint] = None) -> SamplingParams:
+        """``prompt_logprobs``: the engine's, when the route needs more than the request's
+        (completions' echo with logprobs)."""
+        if req.prompt_logprobs is not None and req.stream:   # as vLLM: whole response only
+            raise bad_request("prompt_logprobs are not available with stream=true",
+                              "prompt_logprobs")
+        if prompt_logprobs is None:
+            prompt_logprobs = req.prompt_logprobs
         kwargs = dict(n=req.n, max_tokens=max_tokens or default_max_tokens,
                       min_tokens=req.min_tokens, seed=req.seed, stop=req.stop,
                       stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
                       logit_bias=req.logit_bias, logprobs=logprobs,
+                      prompt_logprobs=prompt_logprobs,
                       skip_special_tokens=req.skip_special_tokens,
                       include_stop_str_in_output=req.include_stop_str_in_output)
         optional = dict(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
@@ -56,6 +104,8 @@ class ServingBase:
                         frequency_penalty=req.frequency_penalty,
                         repetition_penalty=req.repetition_penalty)
         kwargs.update({k: v for k, v in optional.items() if v is not None})
+        if constraint is not None:
+            kwargs["structured_outputs"] = constraint.params
         try:
             return SamplingParams(**kwargs)
         except ValueError as e:
@@ -68,8 +118,10 @@ class ServingBase:
             raise self._map_start_error(e, "prompt") from None
 
     async def start(self, prompts: Sequence, params: SamplingParams, base_id: str,
-                    req: SamplingFields, prompt_param: str) -> list[RequestHandle]:
-        """Queue every prompt or none: a bad prompt aborts the ones already queued."""
+                    req: SamplingFields, prompt_param: str,
+                    constraint_param: Optional[str] = None) -> list[RequestHandle]:
+        """Queue every prompt or none: a bad prompt aborts the ones already queued.
+        ``constraint_param``: the field a grammar that does not compile is blamed on."""
         handles: list[RequestHandle] = []
         try:
             for i, prompt in enumerate(prompts):
@@ -79,18 +131,21 @@ class ServingBase:
         except BaseException as e:
             for h in handles:
                 h.close()
-            raise self._map_start_error(e, prompt_param) from None
+            raise self._map_start_error(e, prompt_param, constraint_param) from None
         return handles
 
     @staticmethod
-    def _map_start_error(e: BaseException, prompt_param: str) -> BaseException:
+    def _map_start_error(e: BaseException, prompt_param: str,
+                         constraint_param: Optional[str] = None) -> BaseException:
         if isinstance(e, EngineOverloadedError):
             return OpenAIError(503, str(e), None, "server_overloaded", {"Retry-After": "1"})
         if isinstance(e, (EngineNotReadyError, EngineDeadError)):
             return OpenAIError(503, str(e), None, "service_unavailable", {"Retry-After": "5"})
         if isinstance(e, ValueError):
             return from_value_error(e, PARAM_NAMES, default=prompt_param,
-                                    renames={"prompt": prompt_param})
+                                    renames={"prompt": prompt_param,
+                                             "structured_outputs": constraint_param
+                                             or "structured_outputs"})
         return e
 
     def finish(self, handles: list[RequestHandle], finals: list[Optional[RequestOutput]]) -> None:
@@ -176,6 +231,24 @@ def stop_reason(value) -> object:
 
 def safe_logprob(value: float) -> float:
     return value if value == value and value > _MIN_LOGPROB else _MIN_LOGPROB
+
+
+def prompt_logprobs_json(out: RequestOutput, k: int) -> Optional[list]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token (nothing scores it), then
+    per position {token_id: {"logprob", "rank", "decoded_token"}} for the prompt token and
+    the ``k`` most likely ones (the engine may have kept more: echo asks for its own k)."""
+    if out.prompt_logprobs is None:
+        return None
+    positions = []
+    for token_id, entry in zip(out.prompt_token_ids, out.prompt_logprobs):
+        if entry is None:
+            positions.append(None)
+            continue
+        positions.append({t: {"logprob": safe_logprob(lp.logprob), "rank": lp.rank,
+                              "decoded_token": lp.decoded_token}
+                          for t, lp in entry.items()
+                          if t == token_id or (lp.rank is not None and lp.rank <= k)})
+    return positions
 
 
 def top_entries(entry: dict, k: int) -> list:
