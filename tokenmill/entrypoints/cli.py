@@ -304,6 +304,8 @@ def _add_bench_parsers(sub) -> None:
     routing.add_parser(bench_sub)
     from tokenmill.bench import moe
     moe.add_parser(bench_sub)
+    from tokenmill.bench import structured
+    structured.add_parser(bench_sub)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
