@@ -99,12 +99,17 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"                   # "fcfs" | "priority"
     max_queued_requests: Optional[int] = None
+    # Tokens a request's grammar forces next (a JSON key, say) are scheduled as drafts and
+    # verified like speculative ones: exact, and several tokens for one forward. 0 turns it off.
+    max_forced_drafts: int = 8
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.max_forced_drafts, int) or self.max_forced_drafts < 0:
+            raise ValueError(f"max_forced_drafts must be an integer >= 0, got {self.max_forced_drafts!r}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 

@@ -81,3 +81,29 @@ def test_a_token_outside_the_grammar_fails_only_its_request(compiler, smollm2_to
     assert good.status == RequestStatus.RUNNING and good.grammar.is_terminated
     step(sched, {"good": [tok.eos_token_id]})
     assert good.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_forced_tokens_become_drafts_unless_the_proposer_agrees_and_goes_further(compiler, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    sched = make_sched(budget=64)
+    schema = {"type": "object", "properties": {"population": {"type": "integer"}},
+              "required": ["population"], "additionalProperties": False}
+    req = request("r", 4, compiler, S(json=schema), tok)
+    sched.add_request(req)
+    first = tok.encode('{"', add_special_tokens=False)
+    forced = compiler.compile(req.sampling_params.structured_outputs).new_matcher()
+    assert forced.accept(first[0])
+    expected = forced.forced_tokens(8)
+    assert tok.decode(expected).startswith("population")
+    step(sched, {"r": first[:1]})                              # no proposer: forced drafts
+    assert req.spec_token_ids == expected
+    assert sched.schedule().scheduled_spec_token_ids["r"] == expected
+
+
+def test_no_drafts_for_a_request_that_did_not_sample(compiler, smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    sched = make_sched(budget=4)
+    req = request("r", 12, compiler, S(json={"type": "object"}), tok)
+    sched.add_request(req)
+    step(sched, {})                                            # a mid-prompt chunk
+    assert req.spec_token_ids == []

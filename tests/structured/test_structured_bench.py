@@ -16,7 +16,8 @@ def test_bench_structured_reports_rows_and_compile_times(tiny_structured_dir, tm
     assert rc == 0
     result = json.loads(out.read_text())
     assert [r["batch"] for r in result["rows"]] == [1, 3]
-    assert all(r["plain_tok_s"] > 0 and r["json_schema_tok_s"] > 0 for r in result["rows"])
+    assert all(r["plain_tok_s"] > 0 and r["json_schema_tok_s"] > 0
+               and r["json_schema_no_forced_tok_s"] > 0 for r in result["rows"])
     assert result["compile"]["num_schemas"] == 5
     assert 0 < result["compile"]["p50_ms"] <= result["compile"]["p99_ms"]
     assert (tmp_path / "report" / "structured.md").exists()

@@ -111,3 +111,38 @@ def test_invalid_constraint_is_refused_and_the_engine_goes_on(tiny_llm):
         tiny_llm.generate(["x"], constrained(regex="[a-"), use_tqdm=False)
     assert not tiny_llm.llm_engine.has_unfinished_requests()
     assert texts(tiny_llm.generate(["x"], constrained(choice=["ok"]), use_tqdm=False)) == ["ok"]
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_ranks_apply_the_same_masks(tiny_structured_dir, tiny_llm):
+    """The step's masks cross the wire to every rank (SchedulerOutput.grammar_bitmask), so a
+    TP=2 engine emits exactly the one-process tokens, greedy and seeded."""
+    params = [constrained(json=PERSON).clone(temperature=0.0),
+              constrained(json=LOOPY).clone(temperature=1.0, seed=2)]
+    expected = token_ids(tiny_llm.generate(PROMPTS[:2], params, use_tqdm=False))
+    split = LLM(model=tiny_structured_dir, max_model_len=2048, num_kv_blocks=256,
+                tensor_parallel_size=2)
+    try:
+        assert token_ids(split.generate(PROMPTS[:2], params, use_tqdm=False)) == expected
+    finally:
+        split.llm_engine.shutdown()
+
+
+def test_forced_tokens_verified_as_drafts_change_no_token_and_save_steps(tiny_structured_dir, tiny_llm):
+    """Keys of a schema are forced by the grammar: scheduled as drafts, verified in one forward
+    (max_forced_drafts, on by default). Same tokens as one token per step, greedy and seeded,
+    in fewer steps."""
+    one_by_one = LLM(model=tiny_structured_dir, max_model_len=2048, num_kv_blocks=1024,
+                     max_forced_drafts=0)
+    verbose = {"type": "object", "additionalProperties": False,
+               "required": ["a_rather_long_property_name", "another_long_property_name"],
+               "properties": {"a_rather_long_property_name": {"type": "boolean"},
+                              "another_long_property_name": {"enum": ["first value", "second"]}}}
+    for params in (constrained(json=verbose).clone(temperature=0.0),
+                   constrained(json=PERSON).clone(temperature=1.0, seed=4, n=2)):
+        before = (tiny_llm.llm_engine.stats.num_steps, one_by_one.llm_engine.stats.num_steps)
+        forced = token_ids(tiny_llm.generate(PROMPTS, params, use_tqdm=False))
+        assert token_ids(one_by_one.generate(PROMPTS, params, use_tqdm=False)) == forced
+        steps = (tiny_llm.llm_engine.stats.num_steps - before[0],
+                 one_by_one.llm_engine.stats.num_steps - before[1])
+        assert steps[0] < steps[1]

@@ -1,9 +1,10 @@
 """`tokenmill bench structured`: what a JSON-schema constraint costs.
 
-- Throughput at batch 1 and 16: output tok/s of the same prompts with and without a schema
-  (medians of alternating runs, so drift in machine load hits both). The schema is a long array,
-  so both runs generate exactly ``--output-len`` tokens per request and the ratio is the cost
-  of masks per token, not of different lengths.
+- Throughput at batch 1 and 16: output tok/s of the same prompts with and without a schema,
+  and with the schema but no forced-token drafts (medians of alternating runs, so drift in
+  machine load hits all). The schema is a long array, so every run generates exactly
+  ``--output-len`` tokens per request: the ratios are the cost of masks per token and the
+  gain of verifying forced tokens in one forward, not of different lengths.
 - Compile time p50 / p99 over seeded random schemas (tokenmill.bench.schemas) with a cold
   cache: compile plus the first mask, where llguidance does its lazy work.
 """
@@ -53,25 +54,30 @@ def _tok_per_s(llm, prompts, params) -> tuple[float, int]:
     return tokens / seconds, tokens
 
 
-def _throughput(llm, batch: int, output_len: int, repeats: int) -> dict:
-    """Median tok/s of ``repeats`` alternating plain / constrained runs (alternating spreads
-    drift in machine load over both)."""
+def _throughput(llms: dict, batch: int, output_len: int, repeats: int) -> dict:
+    """Median tok/s of ``repeats`` alternating runs: free decoding, the schema with forced
+    tokens verified as drafts (the default), and the schema decoded one token per step
+    (``max_forced_drafts=0``). Alternating spreads drift in machine load over all three."""
     from tokenmill import SamplingParams
     plain = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     constrained = plain.clone(structured_outputs={"json": LONG_LIST})
-    prompts = _prompts(llm.get_tokenizer(), batch)
-    rates: dict[str, list[float]] = {"plain": [], "json_schema": []}
+    prompts = _prompts(llms["forced"].get_tokenizer(), batch)
+    runs = (("plain", llms["forced"], plain), ("json_schema", llms["forced"], constrained),
+            ("json_schema_no_forced", llms["no_forced"], constrained))
+    rates: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     for _ in range(repeats):
-        for name, params in (("plain", plain), ("json_schema", constrained)):
+        for name, llm, params in runs:
             rate, tokens = _tok_per_s(llm, prompts, params)
             if tokens != batch * output_len:
                 raise RuntimeError(f"{name} generated {tokens} tokens, expected {batch * output_len}")
             rates[name].append(rate)
-    base, constrained_rate = statistics.median(rates["plain"]), statistics.median(rates["json_schema"])
-    return {"batch": batch, "plain_tok_s": round(base, 1),
-            "json_schema_tok_s": round(constrained_rate, 1),
+    med = {name: statistics.median(values) for name, values in rates.items()}
+    return {"batch": batch, "plain_tok_s": round(med["plain"], 1),
+            "json_schema_tok_s": round(med["json_schema"], 1),
+            "json_schema_no_forced_tok_s": round(med["json_schema_no_forced"], 1),
             "runs_tok_s": {k: [round(r, 1) for r in v] for k, v in rates.items()},
-            "slowdown_pct": round(100 * (1 - constrained_rate / base), 1)}
+            "json_vs_plain": round(med["json_schema"] / med["plain"], 3),
+            "no_forced_vs_plain": round(med["json_schema_no_forced"] / med["plain"], 3)}
 
 
 def _compile_times(llm, num_schemas: int) -> dict:
@@ -95,20 +101,21 @@ def _compile_times(llm, num_schemas: int) -> dict:
 def run(args) -> int:
     from tokenmill import LLM
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    llm = LLM(model=args.model, quantization=args.quantization, num_threads=args.num_threads,
-              max_model_len=2048, max_num_seqs=max(batches))
+    common = dict(model=args.model, quantization=args.quantization, num_threads=args.num_threads,
+                  max_model_len=2048, max_num_seqs=max(batches))
+    llms = {"forced": LLM(**common), "no_forced": LLM(**common, max_forced_drafts=0)}
     bar = progress(len(batches) + 1, "bench structured", args.progress)
     rows = []
     for batch in batches:
-        rows.append(_throughput(llm, batch, args.output_len, args.repeats))
+        rows.append(_throughput(llms, batch, args.output_len, args.repeats))
         bar.update()
-    compile_stats = _compile_times(llm, args.num_schemas)
+    compile_stats = _compile_times(llms["forced"], args.num_schemas)
     bar.update()
     bar.close()
     emit({"bench": "structured", "model": args.model, "quantization": args.quantization,
           "output_len": args.output_len, "machine": machine_info(), "rows": rows,
           "compile": compile_stats},
          args.json, args.output_dir, rows=rows,
-         chart=Chart("batch", ("plain_tok_s", "json_schema_tok_s"),
+         chart=Chart("batch", ("plain_tok_s", "json_schema_tok_s", "json_schema_no_forced_tok_s"),
                      title=f"structured outputs, {args.model}"))
     return 0

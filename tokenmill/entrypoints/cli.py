@@ -38,6 +38,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-forced-drafts", type=int, default=8,
+                   help="tokens a request's grammar forces next, verified as drafts in one "
+                        "forward (structured outputs; exact); 0 = off")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--seed", type=int, default=0)
@@ -112,6 +115,7 @@ def _make_llm(args):
                kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
                gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens,
+               max_forced_drafts=args.max_forced_drafts,
                enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                num_threads=args.num_threads, cache_dir=_default_cache_dir(),
                quantization=args.quantization, quant_activations=args.quant_activations,

@@ -231,7 +231,7 @@ class Scheduler:
                     self._finish_pooled(req, runner_out.pooled.get(req_id), out)
                 self._append_tokens(req, token_ids, out, runner_out.logprobs.get(req_id, []))
                 out.error = req.error
-                if not req.is_finished:
+                if not req.is_finished and token_ids:   # drafts follow a sampled token
                     req.spec_token_ids = self._usable_drafts(
                         req, runner_out.draft_token_ids.get(req_id))
             out.finished = req.is_finished
@@ -254,13 +254,18 @@ class Scheduler:
         """Drop drafts that could only produce tokens past max_tokens or max_model_len (k drafts
         make up to k + 1 tokens), and those the request's grammar refuses (they would be
         rejected anyway, and the grammar cannot step through them to mask what follows)."""
-        if not drafts:
-            return []
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
-        drafts = list(drafts[:max(room, 0)])
-        if req.grammar is not None and drafts:
-            drafts = drafts[:req.grammar.valid_prefix(drafts)]
-        return drafts
+        if req.grammar is not None:
+            drafts = self._grammar_drafts(req.grammar, drafts or [])
+        return list(drafts[:max(room, 0)]) if drafts else []
+
+    def _grammar_drafts(self, grammar, drafts: list[int]) -> list[int]:
+        """The proposer's drafts cut to what the grammar accepts, or the tokens the grammar
+        forces next when the drafts do not start with them (forced tokens are accepted unless
+        the model spells the same text with other tokens)."""
+        drafts = drafts[:grammar.valid_prefix(drafts)]
+        forced = grammar.forced_tokens(self.config.max_forced_drafts)
+        return drafts if drafts[:len(forced)] == forced else forced
 
     def _append_tokens(self, req: Request, token_ids: list[int], out: EngineCoreOutput,
                        logprobs: list) -> None:

@@ -49,6 +49,13 @@ class GrammarMatcher:
             return 0
         return int(self._matcher.validate_tokens(list(token_ids)))
 
+    def forced_tokens(self, max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` tokens the grammar allows no alternative to from here (llguidance
+        stops where another tokenization of the forced text would also fit)."""
+        if max_tokens <= 0:
+            return []
+        return list(self._matcher.compute_ff_tokens()[:max_tokens])
+
     @property
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_stopped())

@@ -1,10 +1,6 @@
 """response_format (chat) and structured_outputs / guided_* (both routes) over real HTTP, on the
 tiny random chat Llama of test_tool_calls: its text is noise, so whatever shape the output has
-comes from the grammar.
-
-Needs the grammar engine (structured outputs enforced): every test that checks the output's
-shape, and the 400s for a schema / regex that does not compile. Independent of it: the other
-400s and stream == non-stream."""
+comes from the grammar."""
 import json
 from typing import Literal
 
@@ -32,7 +28,7 @@ def client(tiny_server):  # noqa: F811 (the fixture imported above)
                          timeout=120)
 
 
-def test_parse_with_a_pydantic_model_returns_the_object(client):   # needs the grammar engine
+def test_parse_with_a_pydantic_model_returns_the_object(client):
     completion = client.beta.chat.completions.parse(model=MODEL, messages=CHAT, temperature=0,
                                                     max_tokens=48, response_format=Weather)
     choice = completion.choices[0]
@@ -51,7 +47,7 @@ def test_json_schema_stream_equals_non_stream(client):
         full.message.content
 
 
-def test_json_object_starts_an_object(client):   # needs the grammar engine
+def test_json_object_starts_an_object(client):
     full = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=16,
                                           response_format={"type": "json_object"})
     content = full.choices[0].message.content
@@ -67,7 +63,7 @@ def test_text_format_is_unconstrained(client):
     assert full.usage.completion_tokens >= 1
 
 
-@pytest.mark.parametrize("extra,check", [   # all need the grammar engine
+@pytest.mark.parametrize("extra,check", [
     ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
     ({"guided_choice": ["red", "green"]}, lambda t: t in ("red", "green")),
     ({"structured_outputs": {"regex": "[0-9]{3}-[a-c]{2}"}},
@@ -113,7 +109,7 @@ CASES = [
     ("completions", {"structured_outputs": {"choice": []}}, "structured_outputs"),
     ("completions", {"structured_outputs": "a+"}, "structured_outputs"),
     ("completions", {"guided_json": "{not json"}, "guided_json"),
-    # refused by the grammar compiler: needs the grammar engine
+    # refused by the grammar compiler
     ("completions", {"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "w", "schema": {"type": "object", "properties": {"x": {"type": "nope"}}}}}},

@@ -1,10 +1,7 @@
 """Tool calling over real HTTP with the official `openai` client, on a tiny random Llama that
 speaks SmolLM2's tokenizer and plain ChatML template (so tools reach it as Hermes instructions
 in the system prompt). Its text is noise: the calls come from the grammar (tool_choice named /
-required) or from a structured_outputs choice that makes it write a Hermes call verbatim.
-
-Needs the grammar engine (structured outputs enforced): every test that checks a call's name or
-arguments. Independent of it: stream == non-stream, the round trip's shape, and the 400s."""
+required) or from a structured_outputs choice that makes it write a Hermes call verbatim."""
 import json
 
 import jsonschema
@@ -93,7 +90,7 @@ def test_named_tool_choice_stream_equals_non_stream(client):
     assert reason == full.choices[0].finish_reason
 
 
-def test_named_tool_choice_is_a_valid_call(client):   # needs the grammar engine
+def test_named_tool_choice_is_a_valid_call(client):
     choice = chat(client, tools=TOOLS, tool_choice=NAMED).choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content is None
@@ -103,7 +100,7 @@ def test_named_tool_choice_is_a_valid_call(client):   # needs the grammar engine
 
 
 @pytest.mark.parametrize("parallel", [False, None])
-def test_required_tool_choice_gives_valid_calls(client, parallel):   # needs the grammar engine
+def test_required_tool_choice_gives_valid_calls(client, parallel):
     extra = {} if parallel is None else {"parallel_tool_calls": parallel}
     full = chat(client, tools=TOOLS, tool_choice="required", max_tokens=64, **extra).choices[0]
     calls = calls_of(full.message)
@@ -116,7 +113,7 @@ def test_required_tool_choice_gives_valid_calls(client, parallel):   # needs the
     assert streamed[:3] == (full.message.content, calls, full.finish_reason)
 
 
-def test_auto_parses_a_hermes_call_streamed_and_not(client):   # needs the grammar engine
+def test_auto_parses_a_hermes_call_streamed_and_not(client):
     forced = {"structured_outputs": {"choice": [HERMES_REPLY]}}
     full = chat(client, tools=TOOLS, extra_body=forced).choices[0]
     assert full.finish_reason == "tool_calls"
@@ -187,7 +184,7 @@ def test_bad_tools_are_400(tiny_server, body, param):
 
 
 def test_a_tool_schema_the_grammar_cannot_compile_is_400_on_tools(tiny_server):
-    # needs the grammar engine (it is what refuses the schema)
+    # the grammar compiler is what refuses the schema
     bad = [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "nope"}}}}}]
     assert_400(post(tiny_server, {"tools": bad, "tool_choice": "required"}), "tools")
