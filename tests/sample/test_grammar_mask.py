@@ -55,3 +55,16 @@ def test_sampling_never_picks_a_banned_token_even_with_a_bias_towards_it():
                                        token_bitmask=pack(allowed))
         sampled = Sampler()(torch.randn(4, vocab), meta).sampled_token_ids
         assert ((sampled >= 10) & (sampled < 13)).all()
+
+
+def test_a_complete_grammar_wins_over_min_tokens():
+    """The grammar allows only EOS (it is complete); min_tokens bans EOS: the row keeps EOS."""
+    vocab, eos = 40, 2
+    only_eos = torch.zeros(2, vocab, dtype=torch.bool)
+    only_eos[:, eos] = True
+    params = [SamplingParams(temperature=0.0, min_tokens=5).with_engine_stops(eos),
+              SamplingParams(temperature=1.0, min_tokens=5).with_engine_stops(eos)]
+    rows = [RowSamplingState(p, [1], [7], None) for p in params]
+    meta = build_sampling_metadata(rows, vocab, "cpu", torch.Generator().manual_seed(0),
+                                   token_bitmask=pack(only_eos))
+    assert Sampler()(torch.randn(2, vocab), meta).sampled_token_ids.tolist() == [eos, eos]

@@ -6,6 +6,7 @@ import json
 import re
 
 import jsonschema
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
 from tests.structured.strategies import CHOICES, json_schemas, regexes
@@ -37,6 +38,7 @@ def generate(llm, constraints: list[dict], max_tokens: int = 1500):
     return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+@pytest.mark.slow
 def test_generated_json_schemas_are_always_satisfied(tiny_llm):
     schemas = draw_examples(json_schemas(), NUM_SCHEMAS)
     for schema, out in zip(schemas, generate(tiny_llm, [{"json": s} for s in schemas])):

@@ -146,3 +146,19 @@ def test_forced_tokens_verified_as_drafts_change_no_token_and_save_steps(tiny_st
         steps = (tiny_llm.llm_engine.stats.num_steps - before[0],
                  one_by_one.llm_engine.stats.num_steps - before[1])
         assert steps[0] < steps[1]
+
+
+@pytest.mark.distributed
+def test_data_parallel_replicas_follow_the_grammar(tiny_structured_dir, tiny_llm):
+    """The constraint crosses to replica processes inside SamplingParams (msgpack); the front
+    refuses a bad one before any replica sees it."""
+    params = constrained(json=PERSON).clone(temperature=0.0)
+    expected = token_ids(tiny_llm.generate(PROMPTS, params, use_tqdm=False))
+    replicas = LLM(model=tiny_structured_dir, max_model_len=2048, num_kv_blocks=256,
+                   data_parallel_size=2)
+    try:
+        assert token_ids(replicas.generate(PROMPTS, params, use_tqdm=False)) == expected
+        with pytest.raises(ValueError, match="structured_outputs.regex"):
+            replicas.generate(["x"], constrained(regex="(("), use_tqdm=False)
+    finally:
+        replicas.llm_engine.shutdown()

@@ -55,4 +55,18 @@ def apply_logits_processors(logits: torch.Tensor, meta: SamplingMetadata) -> tor
         apply_presence_frequency(out, meta.presence_penalty, meta.frequency_penalty, meta.output_counts)
     if meta.token_bitmask is not None:
         apply_token_bitmask(out, meta.token_bitmask)
+        _grammar_over_min_tokens(out, logits, meta)
     return out
+
+
+def _grammar_over_min_tokens(out: torch.Tensor, logits: torch.Tensor, meta: SamplingMetadata) -> None:
+    """A complete grammar allows only the end-of-sequence token, which min_tokens bans: such
+    a row would have nothing left. The grammar wins there: the row is the raw logits under the
+    mask alone (a request cannot be both shorter than min_tokens and follow its grammar)."""
+    if meta.min_tokens_rows is None:
+        return
+    empty = torch.isneginf(out.amax(dim=-1)).nonzero().flatten()
+    if empty.numel():
+        rows = logits[empty].clone()
+        apply_token_bitmask(rows, meta.token_bitmask[empty])
+        out[empty] = rows
