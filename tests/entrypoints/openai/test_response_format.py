@@ -125,3 +125,5 @@ def test_bad_constraint_is_400_naming_the_field(tiny_server, route, body, param)
     error = r.json()["error"]
     assert error["param"] == param and error["message"], error
     assert ".py" not in error["message"] and "Traceback" not in error["message"]
+    if "nope" in json.dumps(body) or "unclosed" in json.dumps(body):   # the compiler's words
+        assert error["message"].startswith(param), error     # name the field sent

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ PARAM_NAMES = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k",
 # vLLM's older top-level spellings of structured_outputs, and the field each one sets.
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
+_STRUCTURED_PREFIX = re.compile(r"^structured_outputs\.[a-z_]+:")
 _MIN_LOGPROB = -9999.0   # JSON has no -inf; clients get a very unlikely finite value instead
 
 
@@ -141,11 +143,16 @@ class ServingBase:
             return OpenAIError(503, str(e), None, "server_overloaded", {"Retry-After": "1"})
         if isinstance(e, (EngineNotReadyError, EngineDeadError)):
             return OpenAIError(503, str(e), None, "service_unavailable", {"Retry-After": "5"})
+        if isinstance(e, ValueError) and constraint_param and _STRUCTURED_PREFIX.match(str(e)):
+            # The engine names the grammar "structured_outputs.<kind>"; the client may have
+            # written response_format or tools, so the message names the field it sent.
+            message = str(e)
+            if constraint_param != "structured_outputs":
+                message = _STRUCTURED_PREFIX.sub(f"{constraint_param}:", message, count=1)
+            return bad_request(message, constraint_param)
         if isinstance(e, ValueError):
             return from_value_error(e, PARAM_NAMES, default=prompt_param,
-                                    renames={"prompt": prompt_param,
-                                             "structured_outputs": constraint_param
-                                             or "structured_outputs"})
+                                    renames={"prompt": prompt_param})
         return e
 
     def finish(self, handles: list[RequestHandle], finals: list[Optional[RequestOutput]]) -> None:
