@@ -67,6 +67,7 @@ class Request:
         # tokenmill.structured.grammar.GrammarMatcher when the output follows a grammar: it
         # tracks the output tokens (kept across preemption, as the tokens are).
         self.grammar = grammar
+        self.drafts_are_forced = False            # spec_token_ids came from the grammar
         self.output_token_ids: list[int] = []
         # Draft tokens proposed for the next step: scheduled after the newest token, verified
         # by the target, then replaced (never appended to the output as such).

@@ -86,6 +86,18 @@ def test_speculation_changes_no_token_under_a_grammar(tiny_structured_dir, tiny_
     assert stats["num_accepted_tokens"] > 0
 
 
+def test_a_lookahead_drafter_under_a_grammar_changes_no_token(tiny_structured_dir, tiny_llm):
+    """layer_skip writes draft KV ahead of the sequence; drafts the grammar refuses are
+    replaced by forced tokens or dropped, and its cache bookkeeping must survive that."""
+    spec = LLM(model=tiny_structured_dir, max_model_len=2048, num_kv_blocks=1024,
+               speculative_config={"method": "layer_skip", "num_speculative_tokens": 3,
+                                   "num_layers": 1})
+    for params in (constrained(json=PERSON).clone(temperature=0.0),
+                   constrained(json=LOOPY).clone(temperature=1.0, seed=3)):
+        plain = token_ids(tiny_llm.generate(PROMPTS, params, use_tqdm=False))
+        assert token_ids(spec.generate(PROMPTS, params, use_tqdm=False)) == plain
+
+
 def test_chunked_prefill_preemption_and_prefix_hits_change_no_token(tiny_structured_dir, tiny_llm):
     params = constrained(json=PERSON).clone(temperature=0.0, n=2, max_tokens=120)
     seeded = constrained(json=LOOPY).clone(temperature=1.0, seed=5, max_tokens=120)
@@ -146,6 +158,10 @@ def test_forced_tokens_verified_as_drafts_change_no_token_and_save_steps(tiny_st
         steps = (tiny_llm.llm_engine.stats.num_steps - before[0],
                  one_by_one.llm_engine.stats.num_steps - before[1])
         assert steps[0] < steps[1]
+    counts = tiny_llm.llm_engine.get_stats()["structured_outputs"]
+    assert 0 < counts["num_forced_accepted_tokens"] <= counts["num_forced_draft_tokens"]
+    assert counts["num_requests"]["json"] >= 12 and counts["num_compiled"] >= 2
+    assert one_by_one.llm_engine.get_stats()["structured_outputs"]["num_forced_draft_tokens"] == 0
 
 
 @pytest.mark.distributed

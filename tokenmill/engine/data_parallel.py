@@ -29,6 +29,7 @@ from tokenmill.distributed.router import make_router
 from tokenmill.utils.moe_stats import merge_expert_loads
 from tokenmill.engine import snapshot
 from tokenmill.engine.processor import Processor, PromptType
+from tokenmill.structured.stats import merge_counters as merge_structured
 from tokenmill.outputs import RequestOutput
 from tokenmill.platform import usable_cores
 from tokenmill.sampling_params import SamplingParams
@@ -369,6 +370,10 @@ def aggregate_stats(per_replica: list[dict], router: str) -> dict:
                  if k.startswith("spec_num_") and isinstance(v, int) and not isinstance(v, bool)}
     for key in sorted(spec_keys):
         total[key] = sum(s.get(key, 0) for s in per_replica)
+    structured = merge_structured([s["structured_outputs"] for s in per_replica
+                                   if s.get("structured_outputs")])
+    if structured is not None:
+        total["structured_outputs"] = structured
     moe = merge_expert_loads([s["moe"] for s in per_replica if s.get("moe")])
     if moe is not None:
         total["moe"] = moe

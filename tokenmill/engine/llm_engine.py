@@ -233,6 +233,7 @@ class LLMEngine:
         stats = self.stats.snapshot(self.scheduler.num_preemptions, prefix.hit_rate)
         stats["prefix_cache_queries"] = prefix.num_queries
         stats["prefix_cache_hits"] = prefix.num_hits
+        stats["structured_outputs"] = self.structured_output_counters()
         if self.spec_decoder is not None:
             stats.update(self.spec_decoder.snapshot())
         elif self.config.speculative is not None:
@@ -241,6 +242,11 @@ class LLMEngine:
         if moe is not None:
             stats["moe"] = moe
         return stats
+
+    def structured_output_counters(self) -> dict:
+        """Constrained decoding since start-up: requests by constraint kind, failures, forced
+        drafts verified / accepted (tokenmill.structured.stats) and grammar compiles."""
+        return {**self.scheduler.grammar_stats.counters(), **self.processor.grammar_counters()}
 
     def expert_load(self, max_age_s: float = 0.0) -> Optional[dict]:
         """MoE routing counts (``ExpertLoad.snapshot``), None for a dense model. With

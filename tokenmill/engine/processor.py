@@ -42,6 +42,14 @@ class Processor:
                 self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         return self._grammars.compile(spec)
 
+    def grammar_counters(self) -> dict:
+        """Compile counts and time (zeros before the first constrained request)."""
+        with self._grammars_lock:
+            grammars = self._grammars
+        if grammars is None:
+            return {"num_compiled": 0, "num_cache_hits": 0, "compile_seconds": 0.0}
+        return grammars.counters()
+
     def tokenize_prompt(self, prompt: PromptType,
                         generates: bool = True) -> tuple[Optional[str], list[int]]:
         """Return (prompt text or None, prompt token ids), validated. A prompt that

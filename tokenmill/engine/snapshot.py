@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from tokenmill.distributed import serial
+from tokenmill.structured.stats import merge_counters as merge_structured
 from tokenmill.utils.moe_stats import merge_expert_loads
 
 
@@ -32,6 +33,7 @@ class EngineSnapshot:
     spec_decode: Optional[dict] = None   # cumulative speculative counters (None: no speculation)
     new_spec_requests: tuple = ()        # RequestSpecStats of requests finished since the last one
     expert_load: Optional[dict] = None   # cumulative MoE routing counts (None: a dense model)
+    structured_outputs: Optional[dict] = None   # cumulative (LLMEngine.structured_output_counters)
 
 
 @dataclass
@@ -63,7 +65,8 @@ def snapshot_counters(engine, cursor: SnapshotCursor) -> EngineSnapshot:
         new_queue_times=new_queue_times, spec_decode=spec_counters,
         new_spec_requests=new_spec,
         # at most a second old: with worker ranks each reading is a round trip
-        expert_load=engine.expert_load(max_age_s=1.0))
+        expert_load=engine.expert_load(max_age_s=1.0),
+        structured_outputs=engine.structured_output_counters())
 
 
 def merge_snapshots(snapshots: list[EngineSnapshot]) -> EngineSnapshot:
@@ -79,6 +82,8 @@ def merge_snapshots(snapshots: list[EngineSnapshot]) -> EngineSnapshot:
     total.new_spec_requests = tuple(r for s in snapshots for r in s.new_spec_requests)
     total.spec_decode = merge_spec_counters([s.spec_decode for s in snapshots if s.spec_decode])
     total.expert_load = merge_expert_loads([s.expert_load for s in snapshots if s.expert_load])
+    total.structured_outputs = merge_structured([s.structured_outputs for s in snapshots
+                                                 if s.structured_outputs])
     return total
 
 

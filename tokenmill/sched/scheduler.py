@@ -20,6 +20,7 @@ from tokenmill.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sched.output import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
 from tokenmill.structured.grammar import fill_bitmasks
+from tokenmill.structured.stats import GrammarStats
 from tokenmill.sched.policy import RequestQueue, pick_victim
 
 
@@ -40,6 +41,7 @@ class Scheduler:
         self._leaders: dict[str, Request] = {}   # parent id -> sample 0 of an n > 1 request
         self.recently_finished: dict[str, Request] = {}   # cleared by the engine each step
         self.num_preemptions = 0
+        self.grammar_stats = GrammarStats()
 
     # -- admission ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -57,6 +59,9 @@ class Scheduler:
                 f"{self.kv.num_total_blocks} blocks of {self.kv.block_size} tokens; lower max_tokens "
                 f"or give the cache more memory")
         self.requests[request.request_id] = request
+        if request.grammar is not None:
+            kind = request.sampling_params.structured_outputs.kind
+            self.grammar_stats.num_requests[kind] = self.grammar_stats.num_requests.get(kind, 0) + 1
         if request.sample_index == 0 and request.sampling_params.n > 1:
             self._leaders[request.parent_id] = request
         self.waiting.add(request)
@@ -217,7 +222,10 @@ class Scheduler:
             if req is None or req.is_finished:
                 continue
             token_ids = sampled.get(req_id, [])
-            req.num_computed_tokens += num_new - self._num_rejected(sched_out, req_id, token_ids)
+            num_rejected = self._num_rejected(sched_out, req_id, token_ids)
+            req.num_computed_tokens += num_new - num_rejected
+            if req.drafts_are_forced:
+                self._count_forced(sched_out.scheduled_spec_token_ids.get(req_id, []), num_rejected)
             req.spec_token_ids = []
             out = EngineCoreOutput(req_id, [])
             out.new_prompt_logprobs = runner_out.prompt_logprobs.get(req_id, [])
@@ -255,17 +263,25 @@ class Scheduler:
         make up to k + 1 tokens), and those the request's grammar refuses (they would be
         rejected anyway, and the grammar cannot step through them to mask what follows)."""
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+        req.drafts_are_forced = False
         if req.grammar is not None:
-            drafts = self._grammar_drafts(req.grammar, drafts or [])
+            drafts = self._grammar_drafts(req, drafts or [])
         return list(drafts[:max(room, 0)]) if drafts else []
 
-    def _grammar_drafts(self, grammar, drafts: list[int]) -> list[int]:
+    def _grammar_drafts(self, req: Request, drafts: list[int]) -> list[int]:
         """The proposer's drafts cut to what the grammar accepts, or the tokens the grammar
         forces next when the drafts do not start with them (forced tokens are accepted unless
         the model spells the same text with other tokens)."""
-        drafts = drafts[:grammar.valid_prefix(drafts)]
-        forced = grammar.forced_tokens(self.config.max_forced_drafts)
-        return drafts if drafts[:len(forced)] == forced else forced
+        drafts = drafts[:req.grammar.valid_prefix(drafts)]
+        forced = req.grammar.forced_tokens(self.config.max_forced_drafts)
+        if drafts[:len(forced)] == forced:
+            return drafts
+        req.drafts_are_forced = True
+        return forced
+
+    def _count_forced(self, drafts: list[int], num_rejected: int) -> None:
+        self.grammar_stats.num_forced_draft_tokens += len(drafts)
+        self.grammar_stats.num_forced_accepted_tokens += len(drafts) - num_rejected
 
     def _append_tokens(self, req: Request, token_ids: list[int], out: EngineCoreOutput,
                        logprobs: list) -> None:
@@ -281,13 +297,13 @@ class Scheduler:
                 self._finish(req, status)
                 break
 
-    @staticmethod
-    def _advance_grammar(req: Request, token: int) -> Optional[RequestStatus]:
+    def _advance_grammar(self, req: Request, token: int) -> Optional[RequestStatus]:
         """Step the request's grammar over an emitted token. A terminated grammar only lets
         an end-of-sequence token through, which the stop check ends the request on."""
         grammar = req.grammar
         if grammar is None or grammar.is_terminated or grammar.accept(token):
             return None
+        self.grammar_stats.num_failed_requests += 1
         req.error = f"token {token} is outside the request's grammar ({grammar.error})"
         return RequestStatus.FINISHED_ERROR
 

@@ -14,6 +14,7 @@ No torch here: the scheduler (torch-free) fills the masks, the sampler applies t
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from typing import Optional, Sequence
 
@@ -95,6 +96,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.num_compiled = 0
         self.num_cache_hits = 0
+        self.compile_seconds = 0.0   # spent compiling (cache misses), summed over threads
 
     def compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         """The compiled grammar of ``spec``; ValueError naming the constraint if it is invalid."""
@@ -105,13 +107,21 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 self.num_cache_hits += 1
                 return hit
+        t0 = time.perf_counter()
         compiled = self._build(spec)   # outside the lock: other schemas compile meanwhile
+        seconds = time.perf_counter() - t0
         with self._lock:
             self._cache[key] = compiled
             self.num_compiled += 1
+            self.compile_seconds += seconds
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+    def counters(self) -> dict:
+        with self._lock:
+            return {"num_compiled": self.num_compiled, "num_cache_hits": self.num_cache_hits,
+                    "compile_seconds": round(self.compile_seconds, 6)}
 
     def _build(self, spec: StructuredOutputsParams) -> CompiledGrammar:
         llg = _llguidance()

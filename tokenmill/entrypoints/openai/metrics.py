@@ -2,8 +2,8 @@
 
 Each server gets its own CollectorRegistry (no process-global state, so tests can build several
 apps). Latencies are observed from the event loop as clients see them; engine-side state
-(running / waiting, KV usage, preemptions, token, prefix-cache, speculative decoding and
-MoE routing counters) arrives as an EngineSnapshot from the engine thread after each step.
+(running / waiting, KV usage, preemptions, token, prefix-cache, speculative decoding,
+MoE routing and constrained-decoding counters) arrives as an EngineSnapshot from the engine thread after each step.
 prometheus_client is thread-safe.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from tokenmill.engine.async_engine import EngineSnapshot, RequestHandle
 from tokenmill.entrypoints.openai.moe_metrics import MoEMetrics
 from tokenmill.entrypoints.openai.spec_metrics import SpecDecodeMetrics
+from tokenmill.entrypoints.openai.structured_metrics import StructuredOutputMetrics
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -46,6 +47,7 @@ class ServerMetrics:
         self.prefix_hits = Counter(_P + "prefix_cache_hits", "Prompt tokens served by the prefix cache", labels, registry=r)
         self.spec = SpecDecodeMetrics(r, model_name)     # tokenmill:spec_decode_*
         self.moe = MoEMetrics(r, model_name)              # tokenmill:moe_* (MoE models only)
+        self.structured = StructuredOutputMetrics(r, model_name)   # structured_* / grammar_*
         self.request_success = Counter(_P + "request_success", "Finished requests", labels + ["finished_reason"], registry=r)
         self.request_errors = Counter(_P + "request_errors", "Requests answered with an HTTP error", labels + ["status"], registry=r)
         self._last = EngineSnapshot()
@@ -73,6 +75,7 @@ class ServerMetrics:
         self._advance(self.prefix_hits, snap.prefix_cache_hits - last.prefix_cache_hits)
         self.spec.on_snapshot(snap.spec_decode, last.spec_decode, snap.new_spec_requests)
         self.moe.on_snapshot(snap.expert_load, last.expert_load)
+        self.structured.on_snapshot(snap.structured_outputs, last.structured_outputs)
 
     def _advance(self, counter: Counter, delta: int) -> None:
         if delta > 0:
