@@ -29,6 +29,24 @@ def test_apply_matches_a_boolean_reference():
         assert torch.equal(logits, expected)
 
 
+def test_whole_word_masks_and_a_few_mixed_words_match_the_reference():
+    """The fast path: words all-banned / all-allowed plus a few mixed ones, and a partial
+    last word (vocabularies that are not a multiple of 32)."""
+    torch.manual_seed(1)
+    for vocab in (64, 1000, 49152 + 7):
+        words = (vocab + 31) // 32
+        kind = torch.randint(0, 10, (4, words))                 # mostly whole words
+        allowed = torch.zeros(4, words * 32, dtype=torch.bool)
+        allowed.view(4, words, 32)[kind < 5] = True             # all-allowed words
+        mixed = kind == 9
+        allowed.view(4, words, 32)[mixed] = torch.rand(int(mixed.sum()), 32) < 0.5
+        allowed = allowed[:, :vocab]
+        logits = torch.randn(4, vocab)
+        expected = logits.masked_fill(~allowed, float("-inf"))
+        apply_token_bitmask(logits, pack(allowed))
+        assert torch.equal(logits, expected)
+
+
 def test_rows_follow_the_sampler_order_with_free_rows_for_unconstrained_requests():
     allowed = torch.rand(3, 70) < 0.5
     packed = pack(allowed)

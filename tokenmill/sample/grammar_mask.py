@@ -29,11 +29,45 @@ def bitmask_rows(bitmask, row_req_ids: Sequence[str], device) -> Optional[torch.
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """logits [N, V] in place: -inf where the token's bit in bitmask [N, ceil(V / 32)] is 0."""
+    """logits [N, V] in place: -inf where the token's bit in bitmask [N, ceil(V / 32)] is 0.
+
+    Real masks are almost all whole words: 0 (32 banned tokens: structural JSON positions) or
+    -1 (32 allowed: inside a string). Those take one broadcast add of -inf / 0; only the few
+    mixed words are unpacked bit by bit. A mask of mostly mixed words (a character class over
+    the vocabulary, say) is unpacked whole, a byte at a time."""
     num_rows, vocab = logits.shape
-    # Unpack a byte at a time through a 256 x 8 table: half the time of shifting every
-    # int32 word 32 ways (little-endian bytes keep token order: byte b holds tokens 8b..8b+7).
+    bitmask = bitmask.contiguous()
+    num_full = vocab // 32                                      # words covering 32 logits
+    head = bitmask[:, :num_full]
+    mixed = (head != 0) & (head != -1)
+    if 4 * int(mixed.sum()) > mixed.numel():
+        _apply_unpacked(logits, bitmask)
+        return
+    words = logits[:, :num_full * 32].view(num_rows, num_full, 32)
+    # Adding -inf / 0 per word broadcasts ~6x faster than a broadcast masked_fill here, and
+    # is the same on the finite logits the sampler gets (non-finite rows are zeroed first).
+    word_bias = torch.zeros(head.shape, dtype=logits.dtype, device=logits.device)
+    words.add_(word_bias.masked_fill_(head == 0, float("-inf")).unsqueeze(-1))
+    rows, cols = mixed.nonzero(as_tuple=True)
+    if rows.numel():
+        banned = _unpack_banned(head[rows, cols])               # [M, 32]
+        words[rows, cols] = words[rows, cols].masked_fill(banned, float("-inf"))
+    if num_full * 32 < vocab:                                   # the last, partial word
+        tail = _unpack_banned(bitmask[:, num_full])[:, :vocab - num_full * 32]
+        logits[:, num_full * 32:].masked_fill_(tail, float("-inf"))
+
+
+def _unpack_banned(packed: torch.Tensor) -> torch.Tensor:
+    """[M] int32 words -> [M, 32] bool, True where the bit is 0."""
+    shifts = torch.arange(32, dtype=torch.int32, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 1) == 0
+
+
+def _apply_unpacked(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Every word unpacked through a 256 x 8 table, a byte at a time (little-endian bytes keep
+    token order: byte b holds tokens 8b..8b+7)."""
+    num_rows, vocab = logits.shape
     bits = torch.arange(8, device=logits.device)
     table = (torch.arange(256, device=logits.device).unsqueeze(-1) >> bits) & 1 == 0
-    banned = table[bitmask.contiguous().view(torch.uint8).long()]      # [N, 4W, 8] bool
+    banned = table[bitmask.view(torch.uint8).long()]           # [N, 4W, 8] bool
     logits.masked_fill_(banned.view(num_rows, -1)[:, :vocab], float("-inf"))
