@@ -9,7 +9,9 @@ import tokenizers
 
 from tokenmill.entrypoints.openai.errors import OpenAIError
 from tokenmill.entrypoints.openai.protocol import ChatMessage
-from tokenmill.entrypoints.openai.serving_chat import response_format_fields, template_inputs
+from tokenmill.entrypoints.openai.mistral_tools import mistral_call_id, mistral_id_for
+from tokenmill.entrypoints.openai.serving_chat import (message_dicts, response_format_fields,
+                                                      template_inputs)
 from tokenmill.entrypoints.openai.tool_choice import plan_tools
 from tokenmill.structured.params import StructuredOutputsParams
 from tokenmill.tokenizer import Tokenizer
@@ -171,3 +173,66 @@ def test_response_format_fields(value, fields):
 ])
 def test_bad_response_format_is_400(value):
     assert param_of(lambda: response_format_fields(value)) == "response_format"
+
+
+# The tool parts of Mistral 7B v0.3's template, abridged: it raises unless ids are 9 characters.
+MISTRAL = """{%- for message in messages %}
+{%- if message.role == "user" %}{% if tools and loop.first %}[AVAILABLE_TOOLS] {{ tools | tojson }}\
+[/AVAILABLE_TOOLS]{% endif %}[INST] {{ message.content }}[/INST]
+{%- elif message.role == "assistant" and message.tool_calls %}[TOOL_CALLS] [
+{%- for call in message.tool_calls %}
+{%- if call.id is not defined or call.id | length != 9 %}
+{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{% endif %}
+{{- '{"name": "' + call.function.name + '", "arguments": ' + call.function.arguments | tojson }}
+{{- ', "id": "' + call.id + '"}' }}{{ ", " if not loop.last }}{% endfor %}]</s>
+{%- elif message.role == "tool" %}
+{%- if message.tool_call_id is not defined or message.tool_call_id | length != 9 %}
+{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}{% endif %}
+{{- '[TOOL_RESULTS] {"content": ' + message.content | tojson + ', "call_id": "'
+    + message.tool_call_id + '"}[/TOOL_RESULTS]' }}
+{%- else %}{{ message.content }}</s>{% endif %}{% endfor %}"""
+
+
+def is_mistral_id(call_id: str) -> bool:
+    return len(call_id) == 9 and call_id.isascii() and call_id.isalnum()
+
+
+def test_mistral_template_gets_its_parser_ids_and_special_tokens():
+    plan = plan_tools([WEATHER], None, None, MISTRAL)
+    assert type(plan.new_parser()).__name__ == "MistralToolParser" and plan.keeps_special_tokens()
+    assert not plan_tools([WEATHER], "none", None, MISTRAL).keeps_special_tokens()
+    assert not plan_tools([WEATHER], None, None, QWEN).keeps_special_tokens()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice, text in ((named, '{"city": "Rome"}'),
+                         ("required", '[{"name": "get_weather", "parameters": {}}]')):
+        for template, shaped in ((MISTRAL, is_mistral_id), (QWEN, lambda i: i.startswith("call_"))):
+            parser = plan_tools([WEATHER], choice, None, template).new_parser()
+            deltas = parser.feed(text) + parser.finish()
+            assert shaped(deltas[0]["tool_calls"][0]["id"])
+
+
+def test_mistral_template_renders_a_clients_own_ids_mapped_to_its_shape():
+    dicts = message_dicts(HISTORY)   # as they came: the template refuses "call_1"
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    with pytest.raises(ValueError, match="length 9"):
+        Tokenizer(backend, chat_template=MISTRAL).apply_chat_template(dicts)
+    text = render(MISTRAL, plan_tools([WEATHER], None, None, MISTRAL))
+    first, second = mistral_id_for("call_1"), mistral_id_for("call_2")
+    assert is_mistral_id(first) and is_mistral_id(second) and first != second
+    assert mistral_id_for("call_1") == first   # stable: a call and its result still match
+    assert (f'[TOOL_CALLS] [{{"name": "get_weather", "arguments": {{"city": "Paris"}}, '
+            f'"id": "{first}"}}, {{"name": "get_time", "arguments": {{}}, "id": "{second}"}}]'
+            ) in text
+    assert f'[TOOL_RESULTS] {{"content": "22 C, sunny", "call_id": "{first}"}}' in text
+    assert "call_1" not in text and "[AVAILABLE_TOOLS]" in text
+
+
+def test_mistral_template_keeps_our_own_ids():
+    ours = mistral_call_id()
+    assert is_mistral_id(ours) and mistral_id_for(ours) == ours
+    messages = [HISTORY[0],
+                ChatMessage(role="assistant", content=None, tool_calls=[
+                    {"id": ours, "function": {"name": "get_time", "arguments": "{}"}}]),
+                ChatMessage(role="tool", tool_call_id=ours, content="14:05")]
+    text = render(MISTRAL, plan_tools([WEATHER], None, None, MISTRAL), messages)
+    assert f'"id": "{ours}"' in text and f'"call_id": "{ours}"' in text

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from tokenmill.entrypoints.openai.mistral_tools import MistralToolParser
 from tokenmill.entrypoints.openai.tool_parsers import (ContentParser, HermesToolParser,
                                                        Llama3JsonToolParser, NamedCallParser,
                                                        RequiredCallsParser, assemble,
@@ -183,7 +184,72 @@ LLAMA_LIKE = ('{% for t in tools %}{{ t | tojson }}{% endfor %}<|python_tag|>'
 
 @pytest.mark.parametrize("template,fmt", [
     (QWEN_LIKE, "hermes"), (LLAMA_LIKE, "llama3_json"),
-    ("{% for t in tools %}[TOOL_CALLS]{% endfor %}", "unknown"),
+    ("{% for t in tools %}[TOOL_CALLS]{% endfor %}", "mistral"),
+    ("{% for t in tools %}{{ t.function | tojson }}{% endfor %}", "unknown"),
     ("{% for m in messages %}{{ m.content }}{% endfor %}", None), ("", None)])
 def test_template_tool_format(template, fmt):
     assert template_tool_format(template) == fmt
+
+
+MISTRAL_WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
+MISTRAL_CASES = [
+    # (text, content, [(name, arguments)])
+    (f"[TOOL_CALLS] [{MISTRAL_WEATHER}]", None,
+     [("get_weather", {"city": "Paris", "unit": "C"})]),
+    (f"[TOOL_CALLS][{MISTRAL_WEATHER}, {TIME}]\n", None,
+     [("get_weather", {"city": "Paris", "unit": "C"}), ("get_time", {"zone": "CET"})]),
+    (f"Let me check. [TOOL_CALLS] [{MISTRAL_WEATHER}]", "Let me check.",
+     [("get_weather", {"city": "Paris", "unit": "C"})]),
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "C"}', None,
+     [("get_weather", {"city": "Paris", "unit": "C"})]),
+    ('Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}', "Sure.",
+     [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    # not calls after the marker: the marker and what follows are content
+    ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": ]',
+     '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": ]', []),
+    ('[TOOL_CALLS] [{"name": 3}]', '[TOOL_CALLS] [{"name": 3}]', []),
+    ("I use [TOOL_CALLS] for calls.", "I use [TOOL_CALLS] for calls.", []),
+    ("[TOOL_CALLS]get weather[ARGS]{}", "[TOOL_CALLS]get weather[ARGS]{}", []),
+    ("[TOOL_CALLS]f[ARGS]oops", "[TOOL_CALLS]f[ARGS]oops", []),
+    ('[TOOL_CALLS][TOOL_CALLS]f[ARGS]{"a": 1}', "[TOOL_CALLS]", [("f", {"a": 1})]),
+    ("[TOOL_CALLS]", "[TOOL_CALLS]", []),
+    ("Ends in [TOOL_", "Ends in [TOOL_", []),
+    ("", "", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", MISTRAL_CASES)
+def test_mistral_whole_text_with_9_character_ids(text, content, calls):
+    got_content, got_calls = whole(MistralToolParser, text)
+    assert (got_content, calls_of(got_calls)) == (content, calls)
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() and c["id"].isascii() for c in got_calls)
+    assert len({c["id"] for c in got_calls}) == len(got_calls)
+
+
+@pytest.mark.parametrize("text,content,calls", MISTRAL_CASES)
+def test_mistral_every_split_equals_whole_text(text, content, calls):
+    """Two chunks split anywhere, three split around the marker, one character at a time."""
+    marker = max(text.find("[TOOL_CALLS]"), 0)
+    splits = [[cut] for cut in range(len(text) + 1)]
+    splits += [[a, b] for a in range(marker, marker + 13) for b in range(a, len(text) + 1)]
+    splits.append(list(range(len(text) + 1)))
+    for cuts in splits:
+        bounds = [0, *cuts, len(text)]
+        parser, deltas = MistralToolParser(), []
+        for start, end in zip(bounds, bounds[1:]):
+            deltas += parser.feed(text[start:end])
+        deltas += parser.finish()
+        got_content, got_calls = assemble(deltas)
+        # content is the join of what streamed, so no piece of a call's marker ever did
+        assert (got_content, calls_of(got_calls)) == (content, calls), cuts
+
+
+def test_mistral_streams_content_then_each_call_when_whole():
+    parser = MistralToolParser()
+    assert parser.feed("Let me check") == [{"content": "Let me check"}]
+    assert parser.feed(" the weather. [TOOL") == [{"content": " the weather."}]
+    assert parser.feed("_CALLS]get_weather[ARGS]{\"city\": ") == []
+    first = parser.feed('"Paris"}[TOOL_CALLS]get_ti')
+    assert [d["tool_calls"][0]["function"]["name"] for d in first] == ["get_weather"]
+    assert [d["tool_calls"][0]["index"] for d in parser.feed("me[ARGS]{}")] == [1]
+    assert parser.finish() == [] and parser.num_calls == 2

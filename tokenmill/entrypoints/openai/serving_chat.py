@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenmill.engine.async_engine import RequestHandle
 from tokenmill.entrypoints.openai.errors import bad_request
+from tokenmill.entrypoints.openai.mistral_tools import with_mistral_ids
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.entrypoints.openai.serving_common import (SSE_DONE, ClientDisconnected,
                                                          DeltaTracker, OutputConstraint,
@@ -139,7 +140,10 @@ def chat_logprobs(entries: list, k: int) -> dict:
 def template_inputs(messages: list[ChatMessage], chat_template: str,
                     tools: ToolPlan) -> tuple[list[dict], dict]:
     """The message dicts and the extra variables (``tools``) the chat template renders."""
-    dicts = message_dicts(messages, template_tool_format(chat_template) is not None)
+    call_format = template_tool_format(chat_template)
+    dicts = message_dicts(messages, call_format is not None)
+    if call_format == "mistral":   # its template raises on ids not of its shape
+        dicts = with_mistral_ids(dicts)
     if tools.system_prompt():
         dicts = _with_system_prompt(dicts, tools.system_prompt())
     return dicts, ({"tools": tools.template_tools()} if tools.template_tools() else {})
@@ -188,6 +192,8 @@ class ChatServing(ServingBase):
         params = self.sampling_params(req, req.max_completion_tokens or req.max_tokens,
                                       num_logprobs, None, renames={"logprobs": "top_logprobs"},
                                       constraint=constraint)
+        if tools.keeps_special_tokens():   # the call markers are special tokens
+            params = params.clone(skip_special_tokens=False)
         self.check_accepting()   # before spending time on the template
         prompt_ids = await render_chat(self.engine, req.messages, req.add_generation_prompt,
                                        tools)

@@ -20,14 +20,16 @@ from dataclasses import dataclass
 from typing import Optional
 
 from tokenmill.entrypoints.openai.errors import bad_request
+from tokenmill.entrypoints.openai.mistral_tools import MistralToolParser, mistral_call_id
 from tokenmill.entrypoints.openai.tool_parsers import (ContentParser, HermesToolParser,
                                                        Llama3JsonToolParser, NamedCallParser,
-                                                       RequiredCallsParser,
+                                                       RequiredCallsParser, new_call_id,
                                                        template_tool_format)
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
-_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+_PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
+            "mistral": MistralToolParser}
 
 # Qwen2.5's wording of the Hermes format: what Hermes-trained models have seen most.
 _HERMES_INSTRUCTIONS = (
@@ -77,14 +79,20 @@ class ToolPlan:
             schema["maxItems"] = 1
         return {"json": schema}
 
+    def keeps_special_tokens(self) -> bool:
+        """Whether the output must be decoded with special tokens: Mistral's call markers are."""
+        return self.choice == "auto" and self.template_format == "mistral"
+
     def new_parser(self) -> ContentParser:
+        # Mistral's template rejects ids of other shapes when a client sends ours back.
+        call_id = mistral_call_id if self.template_format == "mistral" else new_call_id
         if self.choice == "function":
-            return NamedCallParser(self.function_name)
+            return NamedCallParser(self.function_name, call_id)
         if self.choice == "required":
-            return RequiredCallsParser()
+            return RequiredCallsParser(call_id)
         if self.choice == "auto":
-            return _PARSERS.get(self.template_format or "hermes", ContentParser)()
-        return ContentParser()
+            return _PARSERS.get(self.template_format or "hermes", ContentParser)(call_id)
+        return ContentParser(call_id)
 
     def _function(self, name: str) -> dict:
         return next(t["function"] for t in self.tools if t["function"]["name"] == name)

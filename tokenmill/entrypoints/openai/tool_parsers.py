@@ -9,12 +9,15 @@ argument fragments join to the non-streamed arguments by construction, whatever 
 Each call is emitted whole (name and complete arguments) once its closing marker or closing
 brace has arrived; only the forced single call of a named ``tool_choice`` streams its
 arguments as they come, since the whole output is those arguments.
+
+A parser takes ``call_id``, the maker of its calls' ids: templates that check the ids they are
+sent back (Mistral's) get ids of their own shape. Mistral's format is in mistral_tools.
 """
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 _DECODER = json.JSONDecoder()
 
@@ -25,12 +28,14 @@ def new_call_id() -> str:
 
 def template_tool_format(chat_template: str) -> Optional[str]:
     """The call format a chat template teaches, read from its text: "hermes" (Hermes, Qwen2.5,
-    Qwen3), "llama3_json", "unknown" (it renders tools some other way), or None when the
-    template ignores ``tools`` altogether."""
+    Qwen3), "llama3_json", "mistral" (Mistral 7B v0.3, Mixtral-8x22B, Nemo, Small), "unknown"
+    (it renders tools some other way), or None when the template ignores ``tools`` altogether."""
     if "tools" not in chat_template:
         return None
     if "<tool_call>" in chat_template:
         return "hermes"
+    if "[TOOL_CALLS]" in chat_template:
+        return "mistral"
     if '"parameters"' in chat_template and ("ipython" in chat_template
                                             or "<|python_tag|>" in chat_template):
         return "llama3_json"
@@ -40,8 +45,9 @@ def template_tool_format(chat_template: str) -> Optional[str]:
 class ContentParser:
     """No tool calls: every piece of text is content. The base of the parsers below."""
 
-    def __init__(self) -> None:
+    def __init__(self, call_id: Callable[[], str] = new_call_id) -> None:
         self.num_calls = 0
+        self._call_id = call_id
 
     def feed(self, text: str) -> list[dict]:
         return [{"content": text}] if text else []
@@ -51,26 +57,53 @@ class ContentParser:
 
     def _call(self, name: str, arguments: str) -> dict:
         """The first delta of a new call (its index is the number of calls so far)."""
-        delta = {"tool_calls": [{"index": self.num_calls, "id": new_call_id(), "type": "function",
+        delta = {"tool_calls": [{"index": self.num_calls, "id": self._call_id(), "type": "function",
                                  "function": {"name": name, "arguments": arguments}}]}
         self.num_calls += 1
         return delta
 
 
-class HermesToolParser(ContentParser):
+class CallsInTextParser(ContentParser):
+    """Content with marked calls among it. Whitespace next to a call only separates it from the
+    text and is dropped; so trailing whitespace is held until the next text shows what it
+    borders, and at the end it is content only in a message without calls."""
+
+    def __init__(self, call_id: Callable[[], str] = new_call_id) -> None:
+        super().__init__(call_id)
+        self._held_space = ""
+        self._after_call = False
+
+    def _spaced_call(self, name: str, arguments: str) -> dict:
+        self._held_space, self._after_call = "", True
+        return self._call(name, arguments)
+
+    def _content(self, text: str) -> list[dict]:
+        text = self._held_space + text
+        if self._after_call:
+            text = text.lstrip()
+        core = text.rstrip()
+        self._held_space = text[len(core):]
+        if not core:
+            return []
+        self._after_call = False
+        return [{"content": core}]
+
+    def _end_content(self) -> list[dict]:
+        held, self._held_space = self._held_space, ""
+        return [{"content": held}] if self.num_calls == 0 and held else []
+
+
+class HermesToolParser(CallsInTextParser):
     """``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, any number of them;
     text outside the tags is content. Text that may be the start of the tag is held back, so the
-    tag never reaches a client as content. Whitespace next to a call only separates calls and is
-    dropped; so trailing whitespace is held until the next text shows what it borders."""
+    tag never reaches a client as content."""
 
     START, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, call_id: Callable[[], str] = new_call_id) -> None:
+        super().__init__(call_id)
         self._buffer = ""
         self._in_call = False
-        self._held_space = ""
-        self._after_call = False
 
     def feed(self, text: str) -> list[dict]:
         self._buffer += text
@@ -84,7 +117,7 @@ class HermesToolParser(ContentParser):
             out += self._block(before, closed=True) if self._in_call else self._content(before)
             self._in_call = not self._in_call
         if not self._in_call:
-            split = len(self._buffer) - _partial_marker_len(self._buffer, self.START)
+            split = len(self._buffer) - partial_marker_len(self._buffer, self.START)
             ready, self._buffer = self._buffer[:split], self._buffer[split:]
             out += self._content(ready)
         return out
@@ -94,28 +127,13 @@ class HermesToolParser(ContentParser):
         rest, self._buffer = self._buffer, ""
         out = self._block(rest, closed=False) if self._in_call else self._content(rest)
         self._in_call = False
-        if self.num_calls == 0 and self._held_space:
-            out.append({"content": self._held_space})
-        self._held_space = ""
-        return out
+        return out + self._end_content()
 
     def _block(self, body: str, closed: bool) -> list[dict]:
         call = parse_call(body, "arguments")
         if call is None:   # not a call after all: the tags and all are content
             return self._content(self.START + body + (self.END if closed else ""))
-        self._held_space, self._after_call = "", True
-        return [self._call(*call)]
-
-    def _content(self, text: str) -> list[dict]:
-        text = self._held_space + text
-        if self._after_call:
-            text = text.lstrip()
-        core = text.rstrip()
-        self._held_space = text[len(core):]
-        if not core:
-            return []
-        self._after_call = False
-        return [{"content": core}]
+        return [self._spaced_call(*call)]
 
 
 class Llama3JsonToolParser(ContentParser):
@@ -125,8 +143,8 @@ class Llama3JsonToolParser(ContentParser):
 
     TAG = "<|python_tag|>"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, call_id: Callable[[], str] = new_call_id) -> None:
+        super().__init__(call_id)
         self._buffer = ""
         self._holding: Optional[bool] = None   # None until the first visible text decides
 
@@ -157,8 +175,8 @@ class NamedCallParser(ContentParser):
     """``tool_choice`` names one function: the grammar makes the whole output that function's
     arguments, so every piece of text is an argument fragment of call 0."""
 
-    def __init__(self, name: str) -> None:
-        super().__init__()
+    def __init__(self, name: str, call_id: Callable[[], str] = new_call_id) -> None:
+        super().__init__(call_id)
         self._name = name
 
     def feed(self, text: str) -> list[dict]:
@@ -175,8 +193,8 @@ class RequiredCallsParser(ContentParser):
     ``{"name": ..., "parameters": {...}}``; each element is a call once it is complete. Text
     that holds no call at all (no grammar, or a cut-off array) comes back as content."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, call_id: Callable[[], str] = new_call_id) -> None:
+        super().__init__(call_id)
         self._text = ""
         self._pos: Optional[int] = None   # where the next element may start, once "[" is seen
         self._broken = False
@@ -285,7 +303,7 @@ def merge_deltas(deltas: list[dict]) -> dict:
     return merged
 
 
-def _partial_marker_len(text: str, marker: str) -> int:
+def partial_marker_len(text: str, marker: str) -> int:
     """Length of the longest end of ``text`` that is a proper start of ``marker``."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):
