@@ -10,22 +10,24 @@ from typing import Optional, Sequence
 
 import torch
 
+
 def bitmask_rows(bitmask, row_req_ids: Sequence[str], device) -> Optional[torch.Tensor]:
     """[N, W] int32 masks for sampler rows ``row_req_ids`` (a request appears once per row it
     owns: k + 1 times when its k drafts are verified), or None when no row is constrained."""
     if bitmask is None:
         return None
     packed = torch.frombuffer(bytearray(bitmask.data), dtype=torch.int32)
-    packed = packed.view(-1, bitmask.words_per_row)
+    # One all-allowed row after the packed ones: unconstrained sampler rows point at it.
+    table = torch.cat([packed.view(-1, bitmask.words_per_row),
+                       torch.full((1, bitmask.words_per_row), -1, dtype=torch.int32)])
+    free_row = table.shape[0] - 1
     start = dict(zip(bitmask.req_ids, bitmask.row_starts))
-    rows = torch.full((len(row_req_ids), bitmask.words_per_row), -1, dtype=torch.int32)
-    seen: dict[str, int] = {}
-    for i, req_id in enumerate(row_req_ids):
-        if req_id in start:
-            j = seen.get(req_id, 0)
-            rows[i] = packed[start[req_id] + j]
-            seen[req_id] = j + 1
-    return rows.to(device)
+    index, seen = [], {}
+    for req_id in row_req_ids:
+        j = seen.get(req_id, 0)
+        seen[req_id] = j + 1
+        index.append(start[req_id] + j if req_id in start else free_row)
+    return table[torch.tensor(index, dtype=torch.int64)].to(device)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
