@@ -21,9 +21,8 @@ from tokenmill.entrypoints.openai.serving_common import (SSE_DONE, ClientDisconn
                                                          DeltaTracker, OutputConstraint,
                                                          ServingBase, new_id, now,
                                                          output_constraint, safe_logprob, sse,
-                                                         sse_error, stop_reason, top_entries,
-                                                         usage)
-from tokenmill.entrypoints.openai.serving_common import prompt_logprobs_json
+                                                         prompt_logprobs_json, sse_error,
+                                                         stop_reason, top_entries, usage)
 from tokenmill.entrypoints.openai.tool_choice import ToolPlan, plan_tools
 from tokenmill.entrypoints.openai.tool_parsers import (ContentParser, assemble, merge_deltas,
                                                        template_tool_format)
@@ -144,9 +143,10 @@ def template_inputs(messages: list[ChatMessage], chat_template: str,
     dicts = message_dicts(messages, call_format is not None)
     if call_format == "mistral":   # its template raises on ids not of its shape
         dicts = with_mistral_ids(dicts)
-    if tools.system_prompt():
-        dicts = _with_system_prompt(dicts, tools.system_prompt())
-    return dicts, ({"tools": tools.template_tools()} if tools.template_tools() else {})
+    system_prompt, template_tools = tools.system_prompt(), tools.template_tools()
+    if system_prompt:
+        dicts = _with_system_prompt(dicts, system_prompt)
+    return dicts, ({"tools": template_tools} if template_tools else {})
 
 
 async def render_chat(engine, messages: list[ChatMessage], add_generation_prompt: bool,
