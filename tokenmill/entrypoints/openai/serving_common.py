@@ -28,7 +28,7 @@ from tokenmill.structured.params import StructuredOutputsParams
 PARAM_NAMES = ("n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
                "stop", "stop_token_ids", "logit_bias", "logprobs", "presence_penalty",
                "frequency_penalty", "repetition_penalty", "prompt_logprobs", "prompt", "messages",
-               "cache_salt", "structured_outputs")
+               "cache_salt", "structured_outputs", "dimensions")
 # vLLM's older top-level spellings of structured_outputs, and the field each one sets.
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}

@@ -70,13 +70,6 @@ class EmbeddingServing(ServingBase):
         return PoolingParams(pooling_type=req.pooling or self.pooling_type,
                              normalize=req.normalize, dimensions=req.dimensions)
 
-    @staticmethod
-    def _map_start_error(e: BaseException, prompt_param: str, *more) -> BaseException:
-        # Only the engine knows the hidden size, so it is the one to refuse ``dimensions``.
-        if isinstance(e, ValueError) and str(e).startswith("dimensions"):
-            return bad_request(str(e), "dimensions")
-        return ServingBase._map_start_error(e, prompt_param, *more)
-
     def finish(self, handles: list[RequestHandle],
                finals: list[Optional[EmbeddingRequestOutput]]) -> None:
         for handle, out in zip(handles, finals):
