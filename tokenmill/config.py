@@ -102,12 +102,19 @@ class SchedulerConfig:
     # Tokens a request's grammar forces next (a JSON key, say) are scheduled as drafts and
     # verified like speculative ones: exact, and several tokens for one forward. 0 turns it off.
     max_forced_drafts: int = 8
+    # A failed step fails only the request that caused it (the others are re-run alone to
+    # find it); this many failed steps in a row, with no step succeeding, mean the engine
+    # itself is broken and it stops.
+    max_failed_steps_in_a_row: int = 16
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.max_failed_steps_in_a_row, int) or self.max_failed_steps_in_a_row < 1:
+            raise ValueError("max_failed_steps_in_a_row must be a positive integer, got "
+                             f"{self.max_failed_steps_in_a_row!r}")
         if not isinstance(self.max_forced_drafts, int) or self.max_forced_drafts < 0:
             raise ValueError(f"max_forced_drafts must be an integer >= 0, got {self.max_forced_drafts!r}")
         if self.policy not in ("fcfs", "priority"):
@@ -158,6 +165,39 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
         return cls(**d)
+
+
+FAULT_KINDS = ("forward_error", "sample_error", "nan_logits", "kill_worker")
+
+
+@dataclass(frozen=True)
+class FaultRule:
+    """Test-only fault injection (tokenmill.runner.faults): make one kind of failure happen to
+    every request whose prompt contains ``trigger_token_ids``, in the step where it has
+    ``at_output_token`` output tokens. ``forward_error`` / ``sample_error`` raise before the
+    forward / the sampler; ``nan_logits`` makes its logits NaN; ``kill_worker`` SIGKILLs the
+    rank's process. ``ranks``: the ranks it fires on (empty: all); ``max_fires``: per rank,
+    0 = every time (a deterministic fault) -- 1 makes a transient one."""
+
+    kind: str
+    trigger_token_ids: tuple = ()
+    at_output_token: int = 0
+    ranks: tuple = ()
+    max_fires: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind must be one of {FAULT_KINDS}, got {self.kind!r}")
+        ids = self.trigger_token_ids
+        if not isinstance(ids, (tuple, list)) or not ids or \
+                not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise ValueError(f"trigger_token_ids must be a non-empty sequence of token ids, got {ids!r}")
+        object.__setattr__(self, "trigger_token_ids", tuple(ids))
+        object.__setattr__(self, "ranks", tuple(self.ranks))
+        for name in ("at_output_token", "max_fires"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
 
 
 _EXECUTOR_BACKENDS = ("mp", "ray")
@@ -243,3 +283,10 @@ class EngineConfig:
     cache_dir: Optional[str] = None        # where named models are fetched to
     speculative: Optional[SpeculativeConfig] = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    fault_injection: tuple = ()            # FaultRule, for tests only (see FaultRule)
+
+    def __post_init__(self) -> None:
+        rules = tuple(self.fault_injection)
+        if not all(isinstance(r, FaultRule) for r in rules):
+            raise ValueError("fault_injection must be a sequence of FaultRule")
+        object.__setattr__(self, "fault_injection", rules)

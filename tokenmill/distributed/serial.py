@@ -78,12 +78,13 @@ def decode(data: bytes) -> Any:
 
 def _register_engine_types() -> None:
     from tokenmill import outputs
-    from tokenmill.config import SpeculativeConfig
+    from tokenmill.config import FaultRule, SpeculativeConfig
     from tokenmill.pooling_params import PoolingParams
     from tokenmill.sampling_params import SamplingParams
     from tokenmill.sched import output as sched_output
     from tokenmill.structured.params import StructuredOutputsParams
-    for cls in (SamplingParams, StructuredOutputsParams, SpeculativeConfig, sched_output.NewRequestData, sched_output.CachedRequestData,
+    for cls in (SamplingParams, StructuredOutputsParams, SpeculativeConfig, FaultRule,
+                sched_output.NewRequestData, sched_output.CachedRequestData,
                 sched_output.GrammarBitmask,
                 sched_output.SchedulerOutput, outputs.Logprob, outputs.ModelRunnerOutput,
                 outputs.EngineCoreOutput, outputs.CompletionOutput, outputs.RequestOutput,

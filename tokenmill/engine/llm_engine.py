@@ -2,6 +2,7 @@
 forward, sample; on every tensor-parallel rank, through the executor) -> update -> detokenize."""
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from typing import Optional, Union
@@ -12,7 +13,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.expert_balancer import ExpertBalancer
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.processor import Processor, PromptType
-from tokenmill.runner.executor import make_executor
+from tokenmill.runner.executor import StepFailedError, make_executor
 from tokenmill.runner.worker import RankSpec
 from tokenmill.engine.stats import EngineStats, free_memory_bytes
 from tokenmill.kv.kv_cache_manager import PrefixCacheStats
@@ -26,6 +27,9 @@ from tokenmill.request import RequestStatus
 from tokenmill.runner.kv_tensors import bytes_per_block, decide_num_blocks, kv_storage_dtype
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.sched.scheduler import Scheduler
+
+
+logger = logging.getLogger("tokenmill.engine")
 
 
 class LLMEngine:
@@ -78,6 +82,7 @@ class LLMEngine:
                                    hf.get("hidden_size"))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
+        self.num_failed_steps_in_a_row = 0   # failed steps not explained by a suspect
         self._expert_load_cache: Optional[tuple] = None   # (monotonic time, snapshot)
         self.expert_balancer = ExpertBalancer(pc.replicate_hot_experts, pc.expert_rebalance_interval) \
             if pc.replicate_hot_experts else None
@@ -93,7 +98,7 @@ class LLMEngine:
             master_addr=pc.master_addr, master_port=pc.master_port,
             num_threads=self.num_threads, collective_timeout_s=pc.collective_timeout_s,
             shm_collectives=pc.shm_collectives, expert_parallel=pc.enable_expert_parallel,
-            speculative=self.config.speculative,
+            speculative=self.config.speculative, fault_injection=self.config.fault_injection,
             cache_dir=self.config.cache_dir)
 
     @property
@@ -137,6 +142,7 @@ class LLMEngine:
         self.scheduler.kv.pool.reset_prefix_cache()
         self.scheduler.kv.prefix_stats = PrefixCacheStats()
         self.scheduler.num_preemptions = 0
+        self.num_failed_steps_in_a_row = 0
         self.stats = EngineStats()
         self.reset_expert_load()
         if self.spec_decoder is not None:
@@ -191,8 +197,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
         sched_out = self.scheduler.schedule()
-        runner_out = self.executor.execute(sched_out)
-        core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        try:
+            runner_out = self.executor.execute(sched_out)
+        except StepFailedError as e:
+            core_outputs = self._recover(sched_out, e)
+        else:
+            self.num_failed_steps_in_a_row = 0
+            core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         live = {o.req_id: self._request_or_none(o.req_id) for o in core_outputs}
         results, stops = self.output_processor.process(core_outputs, live)
         for child_id, stop_str in stops:
@@ -202,6 +213,21 @@ class LLMEngine:
         if self.expert_balancer is not None:
             self.expert_balancer.after_step(self)
         return results
+
+    def _recover(self, sched_out, error: StepFailedError) -> list:
+        """A step raised on a rank (the ranks are fine): the request at fault fails alone
+        (Scheduler.recover_failed_step). Failing steps with nothing to isolate, many in a
+        row, mean the engine itself is broken: then it raises and stops."""
+        logger.error("a step failed (%s); isolating its requests", error)
+        self.stats.num_failed_steps += 1
+        if len(sched_out.num_scheduled_tokens) > 1 or \
+                not self.scheduler.suspects.keys() & sched_out.num_scheduled_tokens.keys():
+            self.num_failed_steps_in_a_row += 1
+        limit = self.config.scheduler.max_failed_steps_in_a_row
+        if self.num_failed_steps_in_a_row >= limit:
+            raise RuntimeError(f"{limit} steps failed in a row; the engine stops") from error
+        message = f"the model failed while running this request ({error.error_type})"
+        return self.scheduler.recover_failed_step(sched_out, message)
 
     def _release_if_idle(self) -> None:
         if not self.scheduler.has_unfinished_requests():

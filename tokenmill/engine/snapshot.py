@@ -25,6 +25,7 @@ class EngineSnapshot:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0          # fraction of KV blocks in use, 0..1
     num_preemptions: int = 0             # cumulative
+    num_failed_steps: int = 0            # cumulative: steps whose execution raised
     num_prompt_tokens: int = 0           # cumulative, of finished requests
     num_generation_tokens: int = 0       # cumulative
     prefix_cache_queries: int = 0        # cumulative prompt tokens looked up
@@ -58,6 +59,7 @@ def snapshot_counters(engine, cursor: SnapshotCursor) -> EngineSnapshot:
     return EngineSnapshot(
         num_running=len(sched.running), num_waiting=len(sched.waiting),
         kv_cache_usage=sched.kv.usage, num_preemptions=sched.num_preemptions,
+        num_failed_steps=stats.num_failed_steps,
         num_prompt_tokens=stats.num_prompt_tokens,
         num_generation_tokens=stats.num_generated_tokens,
         prefix_cache_queries=sched.kv.prefix_stats.num_queries,
@@ -75,7 +77,7 @@ def merge_snapshots(snapshots: list[EngineSnapshot]) -> EngineSnapshot:
     if not snapshots:
         return EngineSnapshot()
     total = EngineSnapshot(kv_cache_usage=sum(s.kv_cache_usage for s in snapshots) / len(snapshots))
-    for name in ("num_running", "num_waiting", "num_preemptions", "num_prompt_tokens",
+    for name in ("num_running", "num_waiting", "num_preemptions", "num_failed_steps", "num_prompt_tokens",
                  "num_generation_tokens", "prefix_cache_queries", "prefix_cache_hits"):
         setattr(total, name, sum(getattr(s, name) for s in snapshots))
     total.new_queue_times = tuple(q for s in snapshots for q in s.new_queue_times)

@@ -57,6 +57,7 @@ class EngineStats:
     tpots: Series = field(default_factory=Series)
     queue_times: Series = field(default_factory=Series)
     busy_time: float = 0.0                # seconds spent inside step()
+    num_failed_steps: int = 0             # steps whose execution raised (requests isolated)
 
     def on_finished(self, req: Request) -> None:
         self.num_requests += 1
@@ -89,6 +90,7 @@ class EngineStats:
             "throughput_tokens_per_sec": (self.num_generated_tokens / self.busy_time
                                           if self.busy_time else 0.0),
             "num_preemptions": num_preemptions,
+            "num_failed_steps": self.num_failed_steps,
             "prefix_cache_hit_rate": prefix_hit_rate,
         }
 

@@ -33,7 +33,9 @@ class LLM:
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  distributed_executor_backend: str = "mp", router: str = "prefix",
                  ray_address: Optional[str] = None, enable_expert_parallel: bool = False,
-                 replicate_hot_experts: int = 0, expert_rebalance_interval: int = 256) -> None:
+                 replicate_hot_experts: int = 0, expert_rebalance_interval: int = 256,
+                 max_failed_steps_in_a_row: int = 16, fault_injection: Sequence = ()) -> None:
+        """``fault_injection``: FaultRule objects (tokenmill.config), for tests only."""
         config = EngineConfig(
             model=ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed,
                               skip_tokenizer_init=skip_tokenizer_init,
@@ -51,7 +53,8 @@ class LLM:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
                                       max_num_batched_tokens=max_num_batched_tokens,
                                       max_forced_drafts=max_forced_drafts,
-                                      policy=scheduling_policy),
+                                      policy=scheduling_policy,
+                                      max_failed_steps_in_a_row=max_failed_steps_in_a_row),
             num_threads=num_threads, cache_dir=cache_dir,
             speculative=_speculative(speculative_config, speculative_model, num_speculative_tokens),
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size,
@@ -60,7 +63,8 @@ class LLM:
                                     router=router, ray_address=ray_address,
                                     enable_expert_parallel=enable_expert_parallel,
                                     replicate_hot_experts=replicate_hot_experts,
-                                    expert_rebalance_interval=expert_rebalance_interval))
+                                    expert_rebalance_interval=expert_rebalance_interval),
+            fault_injection=tuple(fault_injection))
         # data_parallel_size > 1: a DataParallelEngine (same surface) over replica processes
         self.engine = create_engine(config)
         self.engine.warmup()   # one-time costs now, not in the first request

@@ -18,13 +18,31 @@ from typing import Optional
 
 from tokenmill.distributed import serial
 from tokenmill.distributed.parallel_state import SINGLE, free_port
-from tokenmill.runner.worker import RankInfo, RankSpec, RankWorker, worker_process_main
+from tokenmill.runner.worker import RankInfo, RankSpec, RankWorker, StepFailure, worker_process_main
 
 logger = logging.getLogger("tokenmill.executor")
 
 
 class WorkerFailedError(RuntimeError):
     """A tensor-parallel rank died or raised; the engine must stop."""
+
+
+class StepFailedError(RuntimeError):
+    """Executing one step raised on some rank; the ranks are fine, the step's requests are
+    not (the engine fails the one at fault and re-runs the others)."""
+
+    def __init__(self, failure: StepFailure) -> None:
+        super().__init__(f"{failure.error_type}: {failure.message}")
+        self.error_type = failure.error_type
+
+
+def step_result(replies: list):
+    """Rank 0's ModelRunnerOutput from every rank's reply to a step; StepFailedError if any
+    rank's step raised."""
+    failures = [r for r in replies if isinstance(r, StepFailure)]
+    if failures:
+        raise StepFailedError(failures[0])
+    return replies[0]
 
 
 class InProcessExecutor:
@@ -46,7 +64,7 @@ class InProcessExecutor:
         return self.worker.init_cache(num_blocks, block_size)
 
     def execute(self, so):
-        return self.worker.runner.execute(so)
+        return step_result([self.worker.execute_step(so)])
 
     def release(self, req_ids) -> None:
         self.worker.runner.release(req_ids)
@@ -114,7 +132,7 @@ class MultiprocExecutor:
 
     def execute(self, so):
         self._send_all("execute", so)
-        return self._reply(0)
+        return step_result([self._reply(rank) for rank in range(self.world_size)])
 
     def release(self, req_ids) -> None:
         self._send_all("release", sorted(req_ids))

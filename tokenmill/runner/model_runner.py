@@ -10,6 +10,7 @@ import torch
 from tokenmill.layers.attention import get_attention_backend
 from tokenmill.runner import fused_stack
 from tokenmill.outputs import Logprob, ModelRunnerOutput
+from tokenmill.runner.faults import FaultInjector
 from tokenmill.runner.input_builder import ModelInput, RunnerRequestState, build_model_input
 from tokenmill.runner.kv_tensors import allocate_kv_caches
 from tokenmill.runner.pooler import pool_rows
@@ -45,7 +46,8 @@ def compile_layers(model: torch.nn.Module, backend) -> None:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
-                 seed: int = 0, torch_compile: bool = False, cpu_kernels: bool = True) -> None:
+                 seed: int = 0, torch_compile: bool = False, cpu_kernels: bool = True,
+                 faults: Optional[FaultInjector] = None) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -63,6 +65,7 @@ class ModelRunner:
         self.states: dict[str, RunnerRequestState] = {}
         self.rejection_sampler = RejectionSampler()
         self.spec = None   # tokenmill.spec.decoder.SpecDecoder, attached by the engine
+        self.faults = faults   # test-only fault injection (tokenmill.runner.faults)
 
     def release(self, req_ids) -> None:
         for req_id in req_ids:
@@ -96,6 +99,8 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
         inp = build_model_input(so.num_scheduled_tokens, self.states, self.block_size, self.device)
+        if self.faults is not None:
+            self.faults.before_forward(inp.req_ids, self.states)
         hidden = self._forward(inp)
         out = ModelRunnerOutput(req_ids=inp.req_ids, sampled_token_ids=[[] for _ in inp.req_ids])
         _flag_nonfinite(hidden, inp, out)
@@ -104,6 +109,8 @@ class ModelRunner:
         last_rows = inp.logits_indices   # per sample request: hidden row of its newest token
         if inp.sample_req_ids:
             logits = self.model.compute_logits(hidden[inp.logits_indices])
+            if self.faults is not None:
+                self._inject_sampling_faults(logits, inp)
             if inp.num_draft_tokens:
                 last_rows = inp.logits_indices[self._verify(logits, inp, out, so.grammar_bitmask)]
             else:
@@ -113,6 +120,13 @@ class ModelRunner:
         if self.spec is not None:
             out.draft_token_ids = self.spec.after_step(self, so, inp, hidden[last_rows], out, t_start)
         return out
+
+    def _inject_sampling_faults(self, logits: torch.Tensor, inp: ModelInput) -> None:
+        """logits [rows, V]: one row per sample request, k + 1 with k drafts."""
+        rows = [len(self.states[r].spec_token_ids) + 1 if inp.num_draft_tokens else 1
+                for r in inp.sample_req_ids]
+        self.faults.poison_logits(logits, inp.sample_req_ids, self.states, rows)
+        self.faults.before_sample(inp.sample_req_ids, self.states)
 
     def _forward(self, inp: ModelInput) -> torch.Tensor:
         """Hidden states [T, hidden] of the step: the one-call C decode stack when it applies

@@ -12,7 +12,7 @@ import logging
 
 from tokenmill.distributed import serial
 from tokenmill.distributed.parallel_state import free_port
-from tokenmill.runner.executor import WorkerFailedError
+from tokenmill.runner.executor import WorkerFailedError, step_result
 from tokenmill.runner.worker import RankSpec
 
 logger = logging.getLogger("tokenmill.ray_executor")
@@ -111,7 +111,7 @@ class RayExecutor:
         return self._call_all(kind, None)[0]
 
     def execute(self, so):
-        return self._call_all("execute", so)[0]
+        return step_result(self._call_all("execute", so))
 
     def release(self, req_ids) -> None:
         self._call_all("release", sorted(req_ids))

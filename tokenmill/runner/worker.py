@@ -50,6 +50,17 @@ class RankSpec:
     # scheduler); with TP > 1 only collective-free proposers (ngram) are allowed.
     speculative: Optional[SpeculativeConfig] = None
     cache_dir: Optional[str] = None
+    fault_injection: tuple = ()   # FaultRule, tests only (tokenmill.runner.faults)
+
+
+@serial.register
+@dataclass(frozen=True)
+class StepFailure:
+    """A rank's answer to a step whose execution raised. The rank stays usable: the engine
+    fails or re-runs the step's requests, whose runner state the next step resets."""
+
+    error_type: str               # the exception's class name
+    message: str
 
 
 @serial.register
@@ -107,17 +118,30 @@ class RankWorker:
     def init_cache(self, num_blocks: int, block_size: int) -> int:
         """Allocate the KV cache and the runner; returns the speculative lookahead tokens
         the scheduler must reserve (0 without speculation)."""
+        from tokenmill.runner.faults import FaultInjector
         from tokenmill.runner.model_runner import ModelRunner
         s = self.spec
+        faults = FaultInjector(s.fault_injection, s.rank) if s.fault_injection else None
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.device,
                                   _dtype(s.kv_dtype), s.attention_backend, seed=s.seed,
-                                  torch_compile=s.torch_compile, cpu_kernels=s.cpu_kernels)
+                                  torch_compile=s.torch_compile, cpu_kernels=s.cpu_kernels,
+                                  faults=faults)
         if s.speculative is None or s.rank != 0:
             return 0
         from tokenmill.spec.decoder import build_spec_decoder
         self.runner.spec = build_spec_decoder(s.speculative, self.runner, s.max_model_len,
                                               num_blocks, s.cache_dir)
         return self.runner.spec.num_lookahead_tokens
+
+    def execute_step(self, so):
+        """The step's ModelRunnerOutput, or a StepFailure if running it raised (a bad
+        request's input, NaN-driven kernel errors, an injected fault): one failed step
+        must not take the rank down with every other request."""
+        try:
+            return self.runner.execute(so)
+        except Exception as e:
+            logger.exception("rank %d: a step failed", self.spec.rank)
+            return StepFailure(type(e).__name__, f"rank {self.spec.rank}: {e}")
 
     def memory(self) -> dict:
         from tokenmill.engine.stats import module_bytes
@@ -129,9 +153,9 @@ class RankWorker:
     def handle(self, kind: str, payload):
         """One request from the engine -> the reply (None: nothing to send back)."""
         if kind == "execute":
-            out = self.runner.execute(payload)
+            out = self.execute_step(payload)
             self._finish_spec(payload.finished_req_ids)
-            return out if self.spec.rank == 0 else None
+            return out if self.spec.rank == 0 or isinstance(out, StepFailure) else None
         if kind == "release":
             self.runner.release(payload)
             self._finish_spec(payload)
@@ -196,7 +220,8 @@ def worker_process_main(spec_bytes: bytes, conn) -> None:
             if kind == "stop":
                 break
             reply = worker.handle(kind, payload)
-            if reply is not None or kind != "execute" and kind != "release":
+            # Every rank answers a step (None when fine), so a failure on any rank is seen.
+            if kind != "release":
                 conn.send_bytes(serial.encode(("ok", reply)))
     except (EOFError, KeyboardInterrupt):
         pass   # the engine went away: exit quietly

@@ -18,8 +18,8 @@ from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.kv.kv_cache_manager import KVCacheManager
 from tokenmill.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenmill.request import Request, RequestStatus
-from tokenmill.sched.output import CachedRequestData, GrammarBitmask, NewRequestData, SchedulerOutput
-from tokenmill.structured.grammar import fill_bitmasks
+from tokenmill.sched.grammar_steps import advance_grammar, grammar_bitmask, grammar_drafts
+from tokenmill.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.structured.stats import GrammarStats
 from tokenmill.sched.policy import RequestQueue, pick_victim
 
@@ -42,6 +42,10 @@ class Scheduler:
         self.recently_finished: dict[str, Request] = {}   # cleared by the engine each step
         self.num_preemptions = 0
         self.grammar_stats = GrammarStats()
+        # Requests of a failed step: id -> num_computed_tokens the failed step would have
+        # reached. Each runs alone until it gets there (see recover_failed_step).
+        self.suspects: dict[str, int] = {}
+        self._unsent_preempted: set[str] = set()   # preempted by a failed step
 
     # -- admission ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -81,6 +85,8 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.suspects:
+            return self._schedule_alone(self.requests[next(iter(self.suspects))])
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -113,35 +119,71 @@ class Scheduler:
 
         if not preempted:
             budget = self._admit_waiting(budget, num_scheduled, new_reqs)
+        return self._output(new_reqs, cached_reqs, num_scheduled, preempted, spec)
 
+    def _output(self, new_reqs: list[NewRequestData], cached_reqs: list[CachedRequestData],
+                num_scheduled: dict[str, int], preempted: set[str],
+                spec: dict[str, list[int]]) -> SchedulerOutput:
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            finished_req_ids=self._finished_ids, preempted_req_ids=preempted,
+            finished_req_ids=self._finished_ids,
+            preempted_req_ids=preempted | self._unsent_preempted,
             scheduled_spec_token_ids=spec,
-            grammar_bitmask=self._grammar_bitmask(num_scheduled, spec))
-        self._finished_ids = set()
+            grammar_bitmask=grammar_bitmask(self.requests, num_scheduled, spec))
+        self._finished_ids, self._unsent_preempted = set(), set()
         return out
 
-    def _grammar_bitmask(self, num_scheduled: dict[str, int],
-                         spec: dict[str, list[int]]) -> Optional[GrammarBitmask]:
-        """Masks of the grammar-constrained requests that sample this step (their scheduled
-        tokens reach the end of the sequence; a mid-prompt chunk samples nothing)."""
-        req_ids, entries, starts, num_rows = [], [], [], 0
-        for req_id, num_new in num_scheduled.items():
-            req = self.requests[req_id]
-            if req.grammar is None or req.num_computed_tokens + num_new < req.num_tokens:
-                continue
-            drafts = spec.get(req_id, [])
-            req_ids.append(req_id)
-            entries.append((req.grammar, drafts))
-            starts.append(num_rows)
-            num_rows += len(drafts) + 1
-        if not entries:
-            return None
-        words = entries[0][0].words_per_row
-        return GrammarBitmask(req_ids, starts, words, fill_bitmasks(entries, words).tobytes())
+    # -- failed steps -----------------------------------------------------------------------
+    def recover_failed_step(self, sched_out: SchedulerOutput, error: str) -> list[EngineCoreOutput]:
+        """Undo a step whose execution raised. Run alone, its request caused it and fails
+        with ``error``. Otherwise every request of the step is preempted (recompute: nothing
+        of the failed step is kept) and becomes a suspect that re-runs alone up to where the
+        step had taken it: the one at fault then fails by itself, the others go on with
+        exactly the tokens they would have had (a transient fault costs them only time)."""
+        self._finished_ids |= sched_out.finished_req_ids   # the runner may not have seen them
+        self._unsent_preempted |= sched_out.preempted_req_ids
+        reqs = [self.requests[r] for r in sched_out.num_scheduled_tokens if r in self.requests]
+        if len(reqs) == 1:
+            req = reqs[0]
+            req.error = error
+            self._finish(req, RequestStatus.FINISHED_ERROR)
+            return [EngineCoreOutput(req.request_id, [], finished=True, error=error,
+                                     finish_reason=req.status.finish_reason)]
+        for req in reqs:
+            reached = req.num_computed_tokens + sched_out.num_scheduled_tokens[req.request_id]
+            self.suspects[req.request_id] = min(reached, req.num_tokens)
+            self._preempt(req, counted=False)
+            self._unsent_preempted.add(req.request_id)
+        return []
+
+    def _schedule_alone(self, req: Request) -> SchedulerOutput:
+        """A step for one suspect (no drafts): the other requests wait, and give up seats
+        and blocks to it if they must."""
+        budget, preempted = self.config.max_num_batched_tokens, set()
+        req.spec_token_ids = []
+        new_reqs, cached_reqs = [], []
+        if req.status == RequestStatus.RUNNING:
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while (new_block_ids := self._allocate_running(req, num_new)[0]) is None:
+                preempted.add(self._preempt_other(req))
+            cached_reqs = [c for c in [self._request_data(req, new_block_ids, new_reqs)] if c]
+        else:
+            while len(self.running) >= self.config.max_num_seqs:
+                preempted.add(self._preempt_other(req))
+            cached_blocks, num_cached = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_cached, budget)
+            while self.kv.allocate_slots(req, num_new, cached_blocks) is None:
+                preempted.add(self._preempt_other(req))
+            self._start_running(req, num_cached)
+            self._request_data(req, [], new_reqs)
+        return self._output(new_reqs, cached_reqs, {req.request_id: num_new}, preempted, {})
+
+    def _preempt_other(self, keep: Request) -> str:
+        victim = next(r for r in reversed(self.running) if r is not keep)
+        self._preempt(victim)
+        return victim.request_id
 
     def _allocate_running(self, req: Request, num_new: int) -> tuple[Optional[list[int]], int]:
         """Slots for num_new tokens plus the drafter's lookahead. Speculation is optional, so
@@ -179,18 +221,21 @@ class Scheduler:
             num_new = min(req.num_tokens - num_cached, budget)
             if self.kv.allocate_slots(req, num_new, cached_blocks) is None:
                 break   # head of line waits for blocks; later ones must not starve it
-            self.waiting.remove(req)
-            req.num_computed_tokens = num_cached
-            if req.num_preemptions == 0 or req.status == RequestStatus.WAITING:
-                req.num_cached_tokens = num_cached
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-            self.running.append(req)
+            self._start_running(req, num_cached)
             budget -= num_new
             num_scheduled[req.request_id] = num_new
             self._request_data(req, [], new_reqs)
         return budget
+
+    def _start_running(self, req: Request, num_cached: int) -> None:
+        self.waiting.remove(req)
+        req.num_computed_tokens = num_cached
+        if req.num_preemptions == 0 or req.status == RequestStatus.WAITING:
+            req.num_cached_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        self.running.append(req)
 
     def _held_back(self, req: Request) -> bool:
         """Samples 1..n-1 of an n > 1 request wait until sample 0 has computed the prompt, so
@@ -201,7 +246,9 @@ class Scheduler:
         return (leader is not None and not leader.is_finished
                 and leader.num_computed_tokens < leader.num_prompt_tokens - 1)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, counted: bool = True) -> None:
+        """Free the request's blocks; it recomputes from scratch when it runs again.
+        ``counted``: a preemption for lack of blocks (num_preemptions), not a failed step's."""
         self.running.remove(req)
         self.kv.free(req.request_id)
         self._known_to_runner.discard(req.request_id)
@@ -209,7 +256,7 @@ class Scheduler:
         req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
-        self.num_preemptions += 1
+        self.num_preemptions += int(counted)
         self.waiting.add(req)
 
     # -- results ---------------------------------------------------------------------------
@@ -225,7 +272,8 @@ class Scheduler:
             num_rejected = self._num_rejected(sched_out, req_id, token_ids)
             req.num_computed_tokens += num_new - num_rejected
             if req.drafts_are_forced:
-                self._count_forced(sched_out.scheduled_spec_token_ids.get(req_id, []), num_rejected)
+                self.grammar_stats.count_forced(sched_out.scheduled_spec_token_ids.get(req_id, []),
+                                                num_rejected)
             req.spec_token_ids = []
             out = EngineCoreOutput(req_id, [])
             out.new_prompt_logprobs = runner_out.prompt_logprobs.get(req_id, [])
@@ -242,6 +290,8 @@ class Scheduler:
                 if not req.is_finished and token_ids:   # drafts follow a sampled token
                     req.spec_token_ids = self._usable_drafts(
                         req, runner_out.draft_token_ids.get(req_id))
+            if self.suspects.get(req_id, req.num_tokens + 1) <= req.num_computed_tokens:
+                del self.suspects[req_id]   # it got past the failed step alone
             out.finished = req.is_finished
             out.finish_reason = req.status.finish_reason
             out.stop_reason = req.stop_reason
@@ -265,23 +315,8 @@ class Scheduler:
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
         req.drafts_are_forced = False
         if req.grammar is not None:
-            drafts = self._grammar_drafts(req, drafts or [])
+            drafts = grammar_drafts(req, drafts or [], self.config.max_forced_drafts)
         return list(drafts[:max(room, 0)]) if drafts else []
-
-    def _grammar_drafts(self, req: Request, drafts: list[int]) -> list[int]:
-        """The proposer's drafts cut to what the grammar accepts, or the tokens the grammar
-        forces next when the drafts do not start with them (forced tokens are accepted unless
-        the model spells the same text with other tokens)."""
-        drafts = drafts[:req.grammar.valid_prefix(drafts)]
-        forced = req.grammar.forced_tokens(self.config.max_forced_drafts)
-        if drafts[:len(forced)] == forced:
-            return drafts
-        req.drafts_are_forced = True
-        return forced
-
-    def _count_forced(self, drafts: list[int], num_rejected: int) -> None:
-        self.grammar_stats.num_forced_draft_tokens += len(drafts)
-        self.grammar_stats.num_forced_accepted_tokens += len(drafts) - num_rejected
 
     def _append_tokens(self, req: Request, token_ids: list[int], out: EngineCoreOutput,
                        logprobs: list) -> None:
@@ -292,20 +327,10 @@ class Scheduler:
                 out.new_logprobs.append(logprobs[k])
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            status = self._advance_grammar(req, token) or self._check_stop(req, token)
+            status = advance_grammar(req, token, self.grammar_stats) or self._check_stop(req, token)
             if status is not None:
                 self._finish(req, status)
                 break
-
-    def _advance_grammar(self, req: Request, token: int) -> Optional[RequestStatus]:
-        """Step the request's grammar over an emitted token. A terminated grammar only lets
-        an end-of-sequence token through, which the stop check ends the request on."""
-        grammar = req.grammar
-        if grammar is None or grammar.is_terminated or grammar.accept(token):
-            return None
-        self.grammar_stats.num_failed_requests += 1
-        req.error = f"token {token} is outside the request's grammar ({grammar.error})"
-        return RequestStatus.FINISHED_ERROR
 
     def _finish_pooled(self, req: Request, pooled: Optional[list[float]],
                        out: EngineCoreOutput) -> None:
@@ -349,6 +374,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         self._known_to_runner.discard(req.request_id)
         self._finished_ids.add(req.request_id)
+        self.suspects.pop(req.request_id, None)
         del self.requests[req.request_id]
         self.recently_finished[req.request_id] = req
         if self._leaders.get(req.parent_id) is req:

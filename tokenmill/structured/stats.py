@@ -17,6 +17,11 @@ class GrammarStats:
     num_forced_draft_tokens: int = 0      # forced drafts verified
     num_forced_accepted_tokens: int = 0   # of those, emitted
 
+    def count_forced(self, drafts: list[int], num_rejected: int) -> None:
+        """A step verified forced ``drafts``, of which ``num_rejected`` were not emitted."""
+        self.num_forced_draft_tokens += len(drafts)
+        self.num_forced_accepted_tokens += len(drafts) - num_rejected
+
     def counters(self) -> dict:
         return {"num_requests": dict(self.num_requests),
                 "num_failed_requests": self.num_failed_requests,

@@ -41,6 +41,7 @@ class ServerMetrics:
         self.waiting = Gauge(_P + "num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
         self.kv_usage = Gauge(_P + "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)", labels, registry=r)
         self.preemptions = Counter(_P + "num_preemptions", "Preempted requests", labels, registry=r)
+        self.failed_steps = Counter(_P + "failed_steps", "Engine steps that raised (their requests were isolated)", labels, registry=r)
         self.prompt_tokens = Counter(_P + "prompt_tokens", "Prefill tokens processed", labels, registry=r)
         self.generation_tokens = Counter(_P + "generation_tokens", "Tokens generated", labels, registry=r)
         self.prefix_queries = Counter(_P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels, registry=r)
@@ -69,6 +70,7 @@ class ServerMetrics:
         with self._lock:
             last, self._last = self._last, snap
         self._advance(self.preemptions, snap.num_preemptions - last.num_preemptions)
+        self._advance(self.failed_steps, snap.num_failed_steps - last.num_failed_steps)
         self._advance(self.prompt_tokens, snap.num_prompt_tokens - last.num_prompt_tokens)
         self._advance(self.generation_tokens, snap.num_generation_tokens - last.num_generation_tokens)
         self._advance(self.prefix_queries, snap.prefix_cache_queries - last.prefix_cache_queries)
