@@ -125,7 +125,7 @@ class AsyncEngine:
             # loop; the engine then finds it in the compile cache.
             await asyncio.to_thread(self.compile_grammar, params.structured_outputs)
         loop = asyncio.get_running_loop()
-        handle = RequestHandle(self, request_id)
+        handle = RequestHandle(self, request_id, getattr(params, "n", 1))
         added: concurrent.futures.Future = concurrent.futures.Future()
         self.num_pending += 1
         self._commands.put(("add", request_id, prompt, params, priority, cache_salt,
@@ -299,9 +299,10 @@ class RequestHandle:
     Also records when outputs arrived (time to first token, gaps between tokens) so the
     server can report latency as its clients see it."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, num_samples: int = 1) -> None:
         self.engine = engine
         self.request_id = request_id
+        self.num_samples = num_samples   # n: sequences it ends with
         self.stream = _Stream()
         self.arrival_time = time.monotonic()
         self.first_token_time: Optional[float] = None

@@ -1,4 +1,4 @@
-"""response_format (chat) and structured_outputs / guided_* (both routes) over real HTTP, on the
+"""response_format and structured_outputs / guided_* (both routes) over real HTTP, on the
 tiny random chat Llama of test_tool_calls: its text is noise, so whatever shape the output has
 comes from the grammar."""
 import json
@@ -72,6 +72,10 @@ def test_text_format_is_unconstrained(client):
     ({"guided_json": {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"],
                       "additionalProperties": False}},
      lambda t: json.loads(t)["n"] in (1, 2)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "object", "properties": {"n": {"enum": [3, 4]}}, "required": ["n"],
+        "additionalProperties": False}}}},
+     lambda t: json.loads(t)["n"] in (3, 4)),
 ])
 @pytest.mark.parametrize("route", ["completions", "chat"])
 def test_structured_outputs_on_both_routes(client, route, extra, check):
@@ -114,6 +118,9 @@ CASES = [
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {
         "name": "w", "schema": {"type": "object", "properties": {"x": {"type": "nope"}}}}}},
      "response_format"),
+    ("completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "w", "schema": {"type": "nope"}}}}, "response_format"),
+    ("completions", {"response_format": {"type": "xml"}}, "response_format"),
 ]
 
 

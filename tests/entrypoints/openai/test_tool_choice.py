@@ -10,7 +10,8 @@ import tokenizers
 from tokenmill.entrypoints.openai.errors import OpenAIError
 from tokenmill.entrypoints.openai.protocol import ChatMessage
 from tokenmill.entrypoints.openai.mistral_tools import mistral_call_id, mistral_id_for
-from tokenmill.entrypoints.openai.serving_chat import (message_dicts, response_format_fields,
+from tokenmill.entrypoints.openai.serving_common import response_format_fields
+from tokenmill.entrypoints.openai.serving_chat import (message_dicts,
                                                       template_inputs)
 from tokenmill.entrypoints.openai.tool_choice import plan_tools
 from tokenmill.structured.params import StructuredOutputsParams

@@ -78,6 +78,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: Optional[str] = None
     best_of: Optional[Annotated[int, Field(ge=1, le=128)]] = None
+    response_format: Optional[dict] = None   # as in chat (vLLM accepts it here too)
 
 
 class TextPart(_Body):

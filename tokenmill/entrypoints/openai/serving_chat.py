@@ -20,7 +20,8 @@ from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, ChatMes
 from tokenmill.entrypoints.openai.serving_common import (SSE_DONE, ClientDisconnected,
                                                          DeltaTracker, OutputConstraint,
                                                          ServingBase, new_id, now,
-                                                         output_constraint, safe_logprob, sse,
+                                                         output_constraint,
+                                                         response_format_fields, safe_logprob, sse,
                                                          prompt_logprobs_json, sse_error,
                                                          stop_reason, top_entries, usage)
 from tokenmill.entrypoints.openai.tool_choice import ToolPlan, plan_tools
@@ -97,29 +98,6 @@ def _with_system_prompt(dicts: list[dict], prompt: str) -> list[dict]:
         first = dicts[0]["content"]
         return [dict(dicts[0], content=f"{first}\n\n{prompt}" if first else prompt), *dicts[1:]]
     return [{"role": "system", "content": prompt}, *dicts]
-
-
-def response_format_fields(value: Optional[dict]) -> Optional[dict]:
-    """StructuredOutputsParams fields of OpenAI's ``response_format`` (None: plain text)."""
-    kind = None if value is None else value.get("type")
-    if value is None or kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind != "json_schema":
-        raise bad_request('response_format.type must be "text", "json_object" or "json_schema"',
-                          "response_format")
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict):
-        raise bad_request('response_format.json_schema is required with type "json_schema"',
-                          "response_format")
-    if not isinstance(spec.get("name"), str) or not 1 <= len(spec["name"]) <= 64:
-        raise bad_request("response_format.json_schema.name must be a string of 1 to 64 "
-                          "characters", "response_format")
-    if not isinstance(spec.get("schema"), dict):
-        raise bad_request("response_format.json_schema.schema must be a JSON schema (an object)",
-                          "response_format")
-    return {"json": spec["schema"]}   # strict or not, the grammar holds the output to it
 
 
 def _token_info(token_id: int, lp) -> dict:

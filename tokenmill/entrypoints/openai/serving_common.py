@@ -71,6 +71,29 @@ def output_constraint(req: SamplingFields,
         raise bad_request(str(e), field) from None
 
 
+def response_format_fields(value: Optional[dict]) -> Optional[dict]:
+    """StructuredOutputsParams fields of OpenAI's ``response_format`` (None: plain text)."""
+    kind = None if value is None else value.get("type")
+    if value is None or kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise bad_request('response_format.type must be "text", "json_object" or "json_schema"',
+                          "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_request('response_format.json_schema is required with type "json_schema"',
+                          "response_format")
+    if not isinstance(spec.get("name"), str) or not 1 <= len(spec["name"]) <= 64:
+        raise bad_request("response_format.json_schema.name must be a string of 1 to 64 "
+                          "characters", "response_format")
+    if not isinstance(spec.get("schema"), dict):
+        raise bad_request("response_format.json_schema.schema must be a JSON schema (an object)",
+                          "response_format")
+    return {"json": spec["schema"]}   # strict or not, the grammar holds the output to it
+
+
 class ServingBase:
     def __init__(self, engine: AsyncEngine, model_name: str, metrics: ServerMetrics) -> None:
         self.engine = engine
@@ -158,7 +181,9 @@ class ServingBase:
     def finish(self, handles: list[RequestHandle], finals: list[Optional[RequestOutput]]) -> None:
         for handle, out in zip(handles, finals):
             handle.close()
-            reasons = [c.finish_reason for c in out.outputs] if out is not None else ["abort"]
+            # one per sample, also when the request ended before any output (an abort)
+            reasons = [c.finish_reason for c in out.outputs] if out is not None \
+                else ["abort"] * handle.num_samples
             self.metrics.on_request_done(handle, reasons)
 
     async def collect(self, request: Request,

@@ -18,7 +18,7 @@ from tokenmill.entrypoints.openai.protocol import CompletionRequest
 from tokenmill.entrypoints.openai.serving_common import (SSE_DONE, ClientDisconnected,
                                                          DeltaTracker, ServingBase, merge,
                                                          new_id, now, output_constraint,
-                                                         safe_logprob, sse,
+                                                         response_format_fields, safe_logprob, sse,
                                                          prompt_logprobs_json, sse_error,
                                                          stop_reason, top_entries, usage)
 
@@ -68,7 +68,8 @@ class CompletionServing(ServingBase):
         self.check_model(req.model)
         self._check_unsupported(req)
         prompts = normalize_prompts(req.prompt)
-        constraint = output_constraint(req)
+        constraint = output_constraint(
+            req, [("response_format", response_format_fields(req.response_format))])
         params = self.sampling_params(req, 1 if _echo_only(req) else req.max_tokens,
                                       req.logprobs, _DEFAULT_MAX_TOKENS,
                                       prompt_logprobs=_engine_prompt_logprobs(req),
