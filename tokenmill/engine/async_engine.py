@@ -106,6 +106,12 @@ class AsyncEngine:
     def healthy(self) -> bool:
         return self.is_ready and self.dead_error is None
 
+    def end_requests(self, message: str) -> None:
+        """End every request in flight with RequestFailedError(message) (each client reads
+        an error; their KV blocks return) while the engine keeps running: the server's drain
+        deadline. Any thread; it happens in the engine thread."""
+        self.call(lambda engine: self._end_streams(RequestFailedError(message)))
+
     def call(self, fn: Callable) -> concurrent.futures.Future:
         """Run ``fn(engine)`` in the engine thread (for introspection in tests and tools)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -271,12 +277,15 @@ class AsyncEngine:
         else:
             logger.error("engine unhealthy (%s); failing all requests", reason)
         self.dead_error = f"{reason}; the server must be restarted"
+        self._end_streams(EngineDeadError(self.dead_error))
+
+    def _end_streams(self, error: BaseException) -> None:
         for request_id, (loop, stream) in list(self._streams.items()):
-            loop.call_soon_threadsafe(stream.deliver, None, EngineDeadError(self.dead_error))
+            loop.call_soon_threadsafe(stream.deliver, None, error)
             try:
                 self.engine.abort_request(request_id)
-            except Exception:  # state may be broken; freeing is best effort
-                logger.exception("abort after engine failure failed")
+            except Exception:  # after a failure the state may be broken: best effort
+                logger.exception("abort of %s failed", request_id)
         self._streams.clear()
 
     def _publish_stats(self) -> None:

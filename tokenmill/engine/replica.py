@@ -190,7 +190,10 @@ def run_replica(config_bytes: bytes, recv: Callable[[bool], Optional[bytes]],
 
 def process_main(config_bytes: bytes, commands, events) -> None:
     """Entry point of a spawned replica process (two one-way pipes of msgpack bytes)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the parent's to handle
+    # Ctrl-C and a SIGTERM to the whole process group (systemd's stop) are the parent's to
+    # handle: it drains, then stops the replicas itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def recv(block: bool) -> Optional[bytes]:
         if not block and not commands.poll(0):

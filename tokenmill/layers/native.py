@@ -13,6 +13,12 @@ and callers run their plain-PyTorch references. ``status()`` says which case thi
 The handle is process-wide on purpose: a loaded shared object cannot be unloaded, and
 whether the kernels *run* for a model is that model's setting (``ModelConfig.cpu_kernels``),
 held by the objects that call them, not by this module.
+
+A build killed at any point leaves no library under the final name: the compiler writes a
+``.build-<pid>-*.tmp`` file, renamed into place once whole, and a ``<library>.sha256`` is
+written after. A library without a matching digest (a crash between the two, a truncated or
+damaged file) is rebuilt, never opened: dlopen of a damaged ELF can crash the process rather
+than raise. A dead build's temp file is removed by a later call.
 """
 from __future__ import annotations
 
@@ -30,6 +36,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from typing import Optional
+
+from tokenmill.utils.temp_files import remove_stale_temps, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +91,9 @@ def build_flags(vnni: Optional[bool] = None) -> list:
     return _FLAGS + _VNNI_FLAGS if (has_vnni() if vnni is None else vnni) else list(_FLAGS)
 
 
+TEMP_PREFIX = ".build-"     # + "<pid>-": the compiler's output before the final rename
+DIGEST_SUFFIX = ".sha256"   # beside a library: the sha256 of the file as it was built
+
 _LOCAL_INCLUDE = re.compile(rb'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
@@ -103,32 +114,70 @@ class KernelBuildError(RuntimeError):
 def build_shared_library(source: str, build_dir: Optional[str] = None,
                          flags: Optional[list] = None,
                          timeout_s: float = DEFAULT_BUILD_TIMEOUT_S) -> str:
-    """Compile a C source into build_dir (named by a hash of source + flags) unless already
-    there; returns the .so path. Raises KernelBuildError (compiler message inside) or OSError."""
+    """Compile a C source into build_dir (named by a hash of source + flags) unless a sound
+    build is already there; returns the .so path. Raises KernelBuildError (compiler message
+    inside) or OSError."""
     flags = flags or build_flags()
     build_dir = build_dir or DEFAULT_BUILD_DIR
     digest = hashlib.sha256(source_bytes(source) + " ".join(flags).encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(source))[0]
     path = os.path.join(build_dir, f"{stem}-{digest}.so")
-    if os.path.isfile(path):
+    if os.path.isdir(build_dir):
+        # A live build holds its temp file at most timeout_s; an older one's owner is gone.
+        remove_stale_temps(build_dir, TEMP_PREFIX, grace_s=timeout_s)
+    problem = check_library(path)
+    if problem is None:
         return path
     cc = compiler()
     if cc is None:
         raise KernelBuildError("no C compiler (cc / gcc) on PATH")
     os.makedirs(build_dir, exist_ok=True)
+    if problem != "missing":   # damage is worth a warning; a missing digest is a cut build
+        (logger.warning if problem.startswith("sha256") else logger.info)(
+            "kernel library %s failed its check (%s); rebuilding it", path, problem)
     logger.info("compiling %s for this CPU (once per machine and source version) ...",
                 os.path.basename(source))
-    fd, tmp = tempfile.mkstemp(dir=build_dir, suffix=".so")
+    fd, tmp = tempfile.mkstemp(dir=build_dir, prefix=f"{TEMP_PREFIX}{os.getpid()}-", suffix=".tmp")
     os.close(fd)
     try:   # build to a temp name and rename: concurrent builders never see half a library
         returncode, stderr = _run_compiler([cc, *flags, source, "-o", tmp], timeout_s)
         if returncode != 0:
             raise KernelBuildError(f"{cc} exited with {returncode}: {stderr.strip()[-4000:]}")
+        library_digest = sha256_file(tmp)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+    _write_digest(path, library_digest)
     return path
+
+
+def check_library(path: str) -> Optional[str]:
+    """None when ``path`` is a library exactly as it was built (its sha256 matches the
+    digest written after the build; hashing it takes well under a millisecond), else what
+    is wrong: "missing", no digest, or a mismatch."""
+    if not os.path.isfile(path):
+        return "missing"
+    try:
+        with open(path + DIGEST_SUFFIX) as f:
+            expected = f.read(256).strip()
+    except (OSError, UnicodeDecodeError):
+        return "no digest beside it: its build did not finish"
+    actual = sha256_file(path)
+    return None if actual == expected else f"sha256 {actual}, expected {expected}"
+
+
+def _write_digest(path: str, digest: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f"{TEMP_PREFIX}{os.getpid()}-",
+                               suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(digest + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path + DIGEST_SUFFIX)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _run_compiler(cmd: list, timeout_s: float) -> tuple:

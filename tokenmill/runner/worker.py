@@ -9,6 +9,7 @@ request state in step; only rank 0's output goes back to the engine.
 from __future__ import annotations
 
 import logging
+import signal
 import traceback
 from dataclasses import dataclass
 from typing import Optional
@@ -207,6 +208,9 @@ def _rank_device(rank: int) -> torch.device:
 def worker_process_main(spec_bytes: bytes, conn) -> None:
     """Entry point of a spawned tensor-parallel worker process."""
     spec: RankSpec = serial.decode(spec_bytes)
+    # Signals to the process group are the engine's to handle: it drains, then stops us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(spec.num_threads)
     tp = None
     try:

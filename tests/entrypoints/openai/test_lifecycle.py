@@ -1,7 +1,8 @@
 """Faults and lifecycle over real HTTP: a client disconnect aborts its request (blocks return),
-overload is a 503 with Retry-After, an exception in the forward pass fails the requests with
-an SSE error event and turns /health to 503, and SIGTERM drains in-flight requests, answers
-new ones 503 and exits 0."""
+overload is a 503 with Retry-After, an engine whose forward pass keeps failing fails the
+requests with an SSE error event and turns /health to 503, and SIGTERM drains in-flight
+requests, answers new ones 503 and exits 0 (under load and past the drain deadline:
+test_sigterm_load.py)."""
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import pytest
 import requests
 
 from tests.entrypoints.openai.conftest import (MODEL_NAME, LiveServer, engine_state,
-                                               start_tiny_engine, wait_idle)
+                                               start_engine, wait_idle)
 from tokenmill.entrypoints.openai.server import build_app
 
 pytestmark = pytest.mark.e2e
@@ -69,7 +70,11 @@ def test_overload_is_503_with_retry_after(server, async_engine):
 
 
 def test_engine_fault_fails_requests_and_health(tiny_chat_model_dir):
-    engine = start_tiny_engine(tiny_chat_model_dir)
+    # One failed step fails only its request now (test_request_faults.py); an engine whose
+    # steps keep failing stops after max_failed_steps_in_a_row, here the first.
+    from tokenmill.entrypoints.llm import LLM
+    engine = start_engine(lambda: LLM(model=tiny_chat_model_dir, num_kv_blocks=64, block_size=16,
+                                      max_num_seqs=8, num_threads=1, max_failed_steps_in_a_row=1))
 
     def boom(*args, **kwargs):
         raise RuntimeError("injected forward failure")

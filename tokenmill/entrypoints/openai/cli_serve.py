@@ -14,6 +14,11 @@ from typing import Optional
 
 import uvicorn
 
+logger = logging.getLogger("tokenmill.server")
+# After the drain deadline ended the last requests: how long their handlers get to send the
+# error event (one engine step, then a write) before the sockets close.
+END_GRACE_S = 2.0
+
 # Flags users type from vLLM habits for features tokenmill does not have yet. Each is accepted
 # and, when given a non-default value, stops the server with a clear message (never ignored).
 _NOT_YET: dict = {}   # --tensor-parallel-size left it: a real engine flag now
@@ -39,7 +44,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
                    help="larger request bodies get 413")
     g.add_argument("--drain-timeout", type=float, default=60.0,
-                   help="seconds SIGTERM waits for in-flight requests before exiting")
+                   help="seconds SIGTERM waits for in-flight requests; those still running "
+                        "then end with an error (SSE error event, or a 500) and the server "
+                        "exits 0 a few seconds later")
     g.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
@@ -126,15 +133,19 @@ def _build_engine(args):
 
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first SIGTERM drains: new requests get 503 (the gate sees
-    ``draining``), in-flight ones finish, then the server exits with status 0. A second
-    signal (or Ctrl-C) exits the usual way. Once it listens and the model has loaded, it
-    logs the URL it answers at (``announced``)."""
+    ``draining``), in-flight ones finish, then the server exits with status 0. Requests still
+    running at the drain deadline are ended with an error each client can read, and the
+    server exits 0 (it stopped as asked) within END_GRACE_S more, plus uvicorn's own
+    ``timeout_graceful_shutdown`` for a client that stopped reading. A second signal (or
+    Ctrl-C) exits the usual way. Once it listens and the model has loaded, it logs the URL it
+    answers at (``announced``)."""
 
     def __init__(self, config, state, drain_timeout: float) -> None:
         super().__init__(config)
         self.state = state
         self.drain_timeout = drain_timeout
         self._drain_deadline: Optional[float] = None
+        self._cut_at: Optional[float] = None   # when the deadline ended the last requests
         self.announced = False
 
     def handle_exit(self, sig, frame) -> None:
@@ -143,7 +154,8 @@ class DrainingServer(uvicorn.Server):
             # killing the process with -15 instead of exiting 0.
             self.state.draining = True
             self._drain_deadline = time.monotonic() + self.drain_timeout
-            logging.getLogger("tokenmill.server").info("SIGTERM: draining in-flight requests")
+            logger.info("SIGTERM: draining %d in-flight requests (at most %g s)",
+                        self.state.num_inflight, self.drain_timeout)
             return
         super().handle_exit(sig, frame)
 
@@ -152,15 +164,36 @@ class DrainingServer(uvicorn.Server):
         # engine thread finished loading is the moment requests can be answered.
         if not self.announced and self.started and self.state.engine.healthy:
             self.announced = True
-            logging.getLogger("tokenmill.server").info(
-                f"serving {self.state.model_name} at {self.url} (OpenAI API under /v1)")
-            if self.state.web_ui:
-                logging.getLogger("tokenmill.server").info(
-                    f"web playground at {self.url}/ and engine dashboard at {self.url}/dashboard")
-        if self.state.draining and (self.state.num_inflight == 0
-                                    or time.monotonic() > self._drain_deadline):
-            self.should_exit = True
+            self._announce()
+        if self.state.draining and not self.should_exit:
+            self.should_exit = self._drained()
         return await super().on_tick(counter)
+
+    def _announce(self) -> None:
+        logger.info(f"serving {self.state.model_name} at {self.url} (OpenAI API under /v1)")
+        if self.state.web_ui:
+            logger.info(f"web playground at {self.url}/ and engine dashboard at "
+                        f"{self.url}/dashboard")
+
+    def _drained(self) -> bool:
+        """Whether the drain is over: nothing in flight, or the deadline has passed, the
+        requests still running were ended, and their handlers had END_GRACE_S to send the
+        error. Left to uvicorn's shutdown instead, a streamed answer would stop mid-chunk
+        and a non-streamed one get a bare text 500 once its task is cancelled."""
+        if self.state.num_inflight == 0:
+            return True
+        now = time.monotonic()
+        if now < self._drain_deadline:
+            return False
+        if self._cut_at is None:
+            self._cut_at = now
+            logger.warning("drain deadline of %g s passed with %d requests in flight: ending "
+                           "them with an error", self.drain_timeout, self.state.num_inflight)
+        # Every tick, not once: a request that was between the gate and the engine at the
+        # deadline (e.g. compiling its grammar) is caught by the next call.
+        self.state.engine.end_requests(f"the server shut down before this request finished "
+                                       f"(drain deadline of {self.drain_timeout:g} s)")
+        return now > self._cut_at + END_GRACE_S
 
     @property
     def url(self) -> str:
