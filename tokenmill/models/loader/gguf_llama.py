@@ -84,7 +84,7 @@ ARCHS = {
 SUPPORTED_ARCHITECTURES = tuple(a for a in ARCHS if a != "mixtral")
 
 # blk.N.kind[.E].weight|bias; E: one expert of an old (split-expert) Mixtral file
-_LAYER_RE = re.compile(r"blk\.(\d+)\.([a-z_]+)(?:\.(\d+))?\.(weight|bias)")
+_LAYER_RE = re.compile(r"blk\.([0-9]+)\.([a-z_]+)(?:\.([0-9]+))?\.(weight|bias)")  # ASCII digits only
 # Present in some llama GGUFs but not an HF parameter: llama-3 rope frequency factors
 # (HF derives them from rope_scaling) and the cached rotary table of old converters.
 _SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}

@@ -87,7 +87,10 @@ class GGUFFile:
         size = _file_size(path)
         if size < 24:
             raise CheckpointError(f"{path}: {size} bytes is too small for a GGUF header")
-        self._buf = np.memmap(path, dtype=np.uint8, mode="r")
+        try:
+            self._buf = np.memmap(path, dtype=np.uint8, mode="r")
+        except OSError as e:  # a directory, no permission
+            raise CheckpointError(f"{path}: cannot read GGUF file ({e.strerror})") from None
         cur = _Cursor(self._buf, path)
         self.version, num_tensors, num_kv = _read_header(cur)
         self.metadata: dict[str, Any] = _read_metadata(cur, num_kv)

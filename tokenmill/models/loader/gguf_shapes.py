@@ -18,8 +18,9 @@ from .gguf_reader import GGUFFile
 # llama.cpp reads the shared-expert gate as [hidden]; HF's is a [1, hidden] Linear weight.
 ONE_ROW = "ffn_gate_inp_shexp"
 
-_HF_LAYER_RE = re.compile(r"model\.layers\.(0|[1-9]\d*)\.(.+)\.weight")  # canonical indices only
-_HF_EXPERT_RE = re.compile(r"\.experts\.(0|[1-9]\d*)\.")
+# Canonical ASCII indices only: "01" or a non-ASCII digit would name a second copy of a weight.
+_HF_LAYER_RE = re.compile(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)\.weight")
+_HF_EXPERT_RE = re.compile(r"\.experts\.(0|[1-9][0-9]*)\.")
 
 # (GGUF tensor name, experts a stacked tensor holds) -> [(HF name, expert or None)]
 NamesOf = Callable[[str, int], list[tuple[str, Optional[int]]]]
@@ -82,14 +83,20 @@ def _expected_shape(cfg: dict[str, Any], name: str, per_layer: dict, global_shap
     if name in global_shapes:
         return global_shapes[name]
     m = _HF_LAYER_RE.fullmatch(name)
-    if m is None or int(m.group(1)) >= cfg["num_hidden_layers"]:
+    if m is None or not _below(m.group(1), cfg["num_hidden_layers"]):
         return None
     module, e = m.group(2), _HF_EXPERT_RE.search(m.group(2))
     if e is not None:
-        if int(e.group(1)) >= num_experts(cfg):
+        if not _below(e.group(1), num_experts(cfg)):
             return None
         module = f"{module[:e.start()]}.experts.{{e}}.{module[e.end():]}"
     return per_layer.get(module)
+
+
+def _below(digits: str, limit: int) -> bool:
+    """``int(digits) < limit`` without converting a hostile 5000-digit index (Python refuses
+    to parse more than 4300 digits; anything longer than the limit is past it anyway)."""
+    return len(digits) <= len(str(limit)) and int(digits) < limit
 
 
 def _expected_names(cfg: dict[str, Any], per_layer: dict, global_shapes: dict) -> Iterator[str]:

@@ -95,14 +95,29 @@ def _spm_vocab(tokens: list[str]) -> list[str]:
     return [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
 
 
-def _implied_merges(ranked: list[str]) -> list[tuple[str, str]]:
+# Characters of implied merges per character of vocabulary: ~2 in real ones (Gemma 3: 2.1).
+# A hostile vocabulary ("a", "aa", "aaa", ...) implies merges quadratic in its size.
+MAX_MERGE_CHARS_PER_CHAR = 16
+
+
+def _implied_merges(ranked: list[str], path: str) -> list[tuple[str, str]]:
     """Merges a SentencePiece-BPE vocabulary implies: every split of a piece into two pieces
     of ``ranked``, in the order of ``ranked`` (best piece first), and within one piece the
     longer left part first -- transformers' order."""
     merges, known = [], set(ranked).__contains__   # hot loop over ~1M splits: keep it lean
+    # A part whose length no piece has is no piece: skipped without slicing it, so one huge
+    # piece costs a pass over its cut points, not a copy of the piece per cut point.
+    lengths = {len(t) for t in ranked}
+    budget = MAX_MERGE_CHARS_PER_CHAR * sum(map(len, ranked)) + 4096
     for token in ranked:
-        merges.extend((token[:cut], token[cut:]) for cut in range(len(token) - 1, 0, -1)
-                      if known(token[:cut]) and known(token[cut:]))
+        n = len(token)
+        found = [(token[:cut], token[cut:]) for cut in range(n - 1, 0, -1)
+                 if cut in lengths and n - cut in lengths and known(token[:cut]) and known(token[cut:])]
+        merges.extend(found)
+        budget -= n * len(found)
+        if budget < 0:
+            raise CheckpointError(f"{path}: the SentencePiece vocabulary implies more merges than "
+                                  f"{MAX_MERGE_CHARS_PER_CHAR}x its own size")
     return merges
 
 
@@ -155,7 +170,7 @@ def _llama_backend(md: dict[str, Any], tokens: list[str], types: list[int], unk_
         unk_id = next((i for i, k in enumerate(types) if k == TOKEN_UNKNOWN), None)
     unk = tokens[unk_id] if unk_id is not None else None
     vocab = _spm_vocab(tokens) if gemma else tokens
-    merges = _implied_merges(_spm_ranked(vocab, types, scores, gemma))
+    merges = _implied_merges(_spm_ranked(vocab, types, scores, gemma), path)
     # llama.cpp: the dummy prefix is on unless the file says otherwise; Gemma never had it
     add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", not gemma))
     return _spm_backend(vocab, merges, unk, add_space_prefix)
@@ -219,7 +234,10 @@ def gguf_tokenizer(gguf: GGUFFile) -> Tokenizer:
         _add_special_tokens(backend, tokens, types, named, byte_level=False)
     else:
         merges = _string_list(md, "tokenizer.ggml.merges", path, required=True)
-        backend = _backend(tokens, merges, md.get("tokenizer.ggml.pre"), path)
+        pre = md.get("tokenizer.ggml.pre")
+        if pre is not None and not isinstance(pre, str):
+            raise CheckpointError(f"{path}: metadata 'tokenizer.ggml.pre' = {pre!r:.80} is not a string")
+        backend = _backend(tokens, merges, pre, path)
         _add_special_tokens(backend, tokens, types, named)
     template = md.get("tokenizer.chat_template")
     return Tokenizer(

@@ -31,8 +31,10 @@ def read_json(path: str) -> Any:
             raise CheckpointError(f"{path}: file too large for a JSON config")
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read JSON ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:
+        # ValueError: bad JSON, bad UTF-8, an integer of over 4300 digits; RecursionError:
+        # arrays nested thousands deep
+        raise CheckpointError(f"{path}: cannot read JSON ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def _json_dict(path: str, required: bool = True) -> dict[str, Any]:
@@ -55,7 +57,8 @@ def hf_config(directory: str) -> dict[str, Any]:
 
 def _fill_defaults(config: dict[str, Any], directory: str) -> None:
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        if not isinstance(config.get(key), int) or config[key] <= 0:
+        value = config.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise CheckpointError(f"{directory}/config.json: {key!r} must be a positive integer")
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
     if config.get("head_dim") is None:
@@ -90,11 +93,11 @@ def safetensors_files(directory: str) -> list[str]:
         weight_map = _json_dict(index_path).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_path}: no weight_map")
-        names = sorted(set(weight_map.values()))
-        for name in names:
+        for name in weight_map.values():
             # Shards must sit in the directory itself: no paths, no "..".
             if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", ".."):
                 raise CheckpointError(f"{index_path}: bad shard file name {name!r}")
+        names = sorted(set(weight_map.values()))
         files = [os.path.join(directory, n) for n in names]
     elif os.path.isfile(os.path.join(directory, SINGLE_FILE)):
         files = [os.path.join(directory, SINGLE_FILE)]
@@ -108,9 +111,12 @@ def safetensors_files(directory: str) -> list[str]:
 
 def data_bytes(path: str) -> int:
     """Bytes of tensor data in a safetensors file (file size minus the JSON header)."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read safetensors file ({e.strerror})") from None
     if len(head) < 8:
         raise CheckpointError(f"{path}: truncated safetensors header")
     (header_len,) = struct.unpack("<Q", head)
@@ -145,7 +151,10 @@ def iter_safetensors(files: list[str], lazy: bool = False) -> Iterator[tuple[str
 
 def _lazy(handle) -> LazyTensor:
     dtype = getattr(torch, _SAFETENSORS_DTYPES.get(handle.get_dtype(), "float32"))
-    return LazyTensor(safetensors_reader(handle), tuple(handle.get_shape()), dtype)
+    shape = tuple(handle.get_shape())
+    # A 0-dim tensor has no ranges and a slice handle refuses ``[:]`` on it; ``[...]`` reads it.
+    read = safetensors_reader(handle) if shape else (lambda ranges: handle[...])
+    return LazyTensor(read, shape, dtype)
 
 
 # safetensors dtype names -> torch names (floats are widened to float32 when read)
@@ -157,8 +166,13 @@ def _chat_template(directory: str, tok_config: dict[str, Any]) -> Optional[str]:
     """chat_template.jinja wins over tokenizer_config.json, as in transformers."""
     jinja_path = os.path.join(directory, "chat_template.jinja")
     if os.path.isfile(jinja_path):
-        with open(jinja_path, encoding="utf-8") as f:
-            return f.read()
+        if os.path.getsize(jinja_path) > MAX_JSON_BYTES:
+            raise CheckpointError(f"{jinja_path}: file too large for a chat template")
+        try:
+            with open(jinja_path, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{jinja_path}: cannot read chat template ({e})") from None
     template = tok_config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
