@@ -310,6 +310,8 @@ def _add_bench_parsers(sub) -> None:
     moe.add_parser(bench_sub)
     from tokenmill.bench import structured
     structured.add_parser(bench_sub)
+    from tokenmill.bench import soak
+    soak.add_parser(bench_sub)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

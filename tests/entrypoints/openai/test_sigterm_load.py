@@ -210,7 +210,7 @@ def _assert_refused_503(url: str) -> None:
     assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert "shutting down" in error["message"]
+    assert "shutting down" in error["message"] and error["code"] == "server_shutting_down"
     assert error["type"] == "service_unavailable"
     health = requests.get(url + "/health", timeout=10)
     assert health.status_code == 503 and health.json()["reason"] == "draining"

@@ -69,7 +69,7 @@ class GateMiddleware:
                                                 "(Authorization: Bearer <key>)")
         if state.draining and path not in DRAIN_ALLOW_LIST:
             return await self._reply(send, 503, "the server is shutting down",
-                                     [(b"retry-after", b"5")])
+                                     [(b"retry-after", b"5")], code="server_shutting_down")
         if scope.get("method") in _BODY_METHODS:
             body = await self._read_body(receive, headers)
             if body is None:
@@ -117,9 +117,10 @@ class GateMiddleware:
             await send(message)
         return wrapped
 
-    async def _reply(self, send, status: int, message: str, extra_headers=()) -> None:
+    async def _reply(self, send, status: int, message: str, extra_headers=(),
+                     code: Optional[str] = None) -> None:
         self.state.metrics.on_error(status)
-        await JSONResponse(error_body(status, message), status_code=status,
+        await JSONResponse(error_body(status, message, code=code), status_code=status,
                            headers={k.decode(): v.decode() for k, v in extra_headers})(
             {"type": "http"}, _no_receive, send)
 
