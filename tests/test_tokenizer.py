@@ -1,6 +1,8 @@
 """Tokenizer: BOS/EOS rules, decoding, chat templates in the sandbox; HF dirs vs transformers."""
 
 import json
+import threading
+import time
 
 import pytest
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
@@ -8,6 +10,7 @@ from tokenizers import Tokenizer as Backend
 
 from tokenmill.models.loader import load_tokenizer
 from tokenmill.models.loader.gguf_tokenizer import byte_alphabet
+from tokenmill.chat_template import ChatTemplateError, TemplateLimits
 from tokenmill.tokenizer import Tokenizer
 
 SPECIALS = ["<s>", "</s>", "<|eot|>"]
@@ -112,3 +115,55 @@ def test_decode_odd_ids():
     assert tok.decode([259, 10**6, 260]) == tok.decode([259, 260])  # padded-vocab ids vanish
     with pytest.raises(ValueError, match="negative"):
         tok.decode([-1])
+
+
+def test_template_errors_are_chat_template_errors_under_the_tokenizers_limits():
+    tok = Tokenizer(_backend(False), chat_template="{% for i in range(50) %}{% endfor %}",
+                    template_limits=TemplateLimits(max_loop_iterations=10))
+    with pytest.raises(ChatTemplateError, match="more than 10 loop iterations") as e:
+        tok.apply_chat_template([], tokenize=True)
+    assert isinstance(e.value, ValueError)   # the server's 400 path
+    with pytest.raises(ChatTemplateError, match="attribute '__class__'"):
+        _tok("{% if messages.__class__ %}{% endif %}").apply_chat_template([])
+
+
+def test_lone_surrogates_and_non_strings_are_clear_errors():
+    tok = _tok()
+    for text, code, at in (("a\ud800b", "D800", 1), ("x" * 10_000 + "\udfff", "DFFF", 10_000),
+                           ("\ud83c\udf89", "D83C", 0)):   # a pair, but in a str: not text
+        with pytest.raises(ValueError, match=f"surrogate code point U\\+{code} at character {at};"):
+            tok.encode(text)   # short and long (encode_batch) paths
+    with pytest.raises(TypeError, match="must be a string, got int"):
+        tok.encode(5)
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_long_texts_encode_the_same(add_special_tokens):
+    tok = _tok()
+    text = "hello world \x00\r\n\u2028 🎉 " * 2000   # past the encode_batch threshold
+    assert tok.encode(text, add_special_tokens) == (
+        [0] * add_special_tokens + tok.backend.encode(text, add_special_tokens=False).ids)
+
+
+def test_encoding_a_long_text_lets_other_threads_run():
+    # The backend's encode holds the GIL; a 1 MB prompt encoded in a worker thread would stop
+    # the engine's thread for about a second. Progress is counted while the encode runs, so a
+    # slow machine only gives the other thread more time.
+    tok = _tok()
+    text = "hello world " * 30_000
+    ticks, done = [], threading.Event()
+
+    def other():
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+    thread = threading.Thread(target=other)
+    thread.start()
+    time.sleep(0.01)
+    start = time.perf_counter()
+    tok.encode(text)
+    end = time.perf_counter()
+    done.set()
+    thread.join()
+    during = [t for t in ticks if start < t < end]
+    assert len(during) >= 5, (len(during), end - start)

@@ -2,22 +2,25 @@
 
 Loaders (tokenmill.models.loader) build it from an HF directory or GGUF metadata; the rest
 of the engine only sees this class. Chat templates come from the model files, never from a
-request, and render in a sandboxed Jinja environment.
+request, and render in a sandboxed Jinja environment with budgets (tokenmill.chat_template).
 """
 
 from __future__ import annotations
 
-import json
-from datetime import datetime
+import re
 from typing import Any, Optional, Sequence
 
 import tokenizers
-from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tokenmill.chat_template import ChatTemplateRenderer, TemplateLimits
 
 # Spaces before punctuation that HF's `clean_up_tokenization_spaces` removes on decode.
 _CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+# Texts longer than this go through encode_batch, which releases the GIL while it works; encode
+# holds it, so a 1 MB prompt (about a second) would stop every other thread, the engine's too.
+_LONG_TEXT = 8192
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class Tokenizer:
@@ -40,6 +43,7 @@ class Tokenizer:
         add_eos_token: bool = False,
         chat_template: Optional[str] = None,
         clean_up_tokenization_spaces: bool = False,
+        template_limits: TemplateLimits = TemplateLimits(),
     ):
         self._backend = backend
         self.bos_token_id = bos_token_id
@@ -57,7 +61,7 @@ class Tokenizer:
         probe = backend.encode("", add_special_tokens=True).ids
         self._prepend_bos = add_bos_token and bos_token_id is not None and probe[:1] != [bos_token_id]
         self._append_eos = add_eos_token and self.eos_token_id is not None and probe[-1:] != [self.eos_token_id]
-        self._template_cache: dict[str, Any] = {}
+        self._templates = ChatTemplateRenderer(template_limits)
 
     @property
     def backend(self) -> tokenizers.Tokenizer:
@@ -75,7 +79,15 @@ class Tokenizer:
         return None if token_id is None else self._backend.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            if len(text) > _LONG_TEXT:
+                batch = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+                ids = batch[0].ids
+            else:
+                ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            _check_text(text)
+            raise
         if add_special_tokens and self._prepend_bos:
             ids = [self.bos_token_id] + ids
         if add_special_tokens and self._append_eos:
@@ -108,9 +120,10 @@ class Tokenizer:
     ) -> str | list[int]:
         """Render ``messages`` with the model's chat template (and token ids if ``tokenize``).
 
-        Template errors (including the template's own ``raise_exception``) become ValueError
-        so a server can answer 400. Tokenizing adds no special tokens: the template already
-        wrote any BOS it wants, and adding one more would double it.
+        Template errors (the template's own ``raise_exception``, sandbox refusals, budgets
+        running out) raise ChatTemplateError, a ValueError, so a server can answer 400.
+        Tokenizing adds no special tokens: the template already wrote any BOS it wants, and
+        adding one more would double it.
         """
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
@@ -118,39 +131,18 @@ class Tokenizer:
                      "pad_token": self._token(self.pad_token_id), "unk_token": self._token(self.unk_token_id)}
         variables.update(template_kwargs)
         variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
-        try:
-            text = self._compiled(self.chat_template).render(**variables)
-        except Exception as e:  # sandboxed: any failure comes from the messages, not from us
-            raise ValueError(f"chat template error: {e}") from None
+        text = self._templates.render(self.chat_template, variables)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
-    def _compiled(self, source: str):
-        if source not in self._template_cache:
-            try:
-                self._template_cache[source] = _template_env().from_string(source)
-            except TemplateError as e:
-                raise ValueError(f"chat template does not compile: {e}") from None
-        return self._template_cache[source]
 
-
-def _raise_exception(message: str):
-    raise TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    # Jinja's own tojson HTML-escapes (<, >, &, '), which would corrupt prompts: use plain json.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _template_env() -> ImmutableSandboxedEnvironment:
-    """The environment HF chat templates are written for: trimmed blocks, loop controls."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
+def _check_text(text: Any) -> None:
+    """Why the backend refused ``text``, as a clear error. A str can hold surrogate code points
+    (JSON's ``"\\ud800"``, bytes decoded with surrogateescape), which no UTF-8 text holds; the
+    message names one by number (it cannot be written out as UTF-8 either)."""
+    if not isinstance(text, str):
+        raise TypeError(f"text to tokenize must be a string, got {type(text).__name__}")
+    found = _SURROGATE.search(text)
+    if found:
+        raise ValueError(f"text to tokenize holds the surrogate code point "
+                         f"U+{ord(found.group()):04X} at character {found.start()}; it must be "
+                         f"valid Unicode")

@@ -203,3 +203,127 @@ def test_long_undecodable_run_keeps_window_bounded(tok):
     deltas, _ = stream(detok, ids)
     assert tok.max_decode_len <= 2 * (16 + 1)
     assert detok.output_text == "".join(deltas) == tok.decode(ids)
+
+
+# -- SmolLM2's byte-level BPE (every byte has a token): characters split into byte tokens ---------
+@pytest.fixture(scope="module")
+def smollm2():
+    from tokenmill.models.hub import resolve_model
+    from tokenmill.models.loader import load_tokenizer
+    try:
+        return load_tokenizer(resolve_model("smollm2-135m"))
+    except Exception as e:  # no network and no cache
+        pytest.skip(f"SmolLM2 GGUF unavailable: {e}")
+
+
+def byte_tokens(tok, data: bytes) -> list[int]:
+    from tokenmill.models.loader.gguf_tokenizer import byte_alphabet
+    return [tok.token_to_id(byte_alphabet()[b]) for b in data]
+
+
+def check_stream(tok, ids, rng=None, chunk=1, prompt=(), params=None):
+    """Stream ids; the text must equal decode(ids), and the deltas must join to it without a
+    U+FFFD that decode(ids) does not have at that place (a half character shown too early)."""
+    detok = IncrementalDetokenizer(tok, params or SamplingParams(), list(prompt))
+    deltas, stop = stream(detok, ids, rng=rng, chunk=chunk)
+    assert "".join(deltas) == detok.output_text
+    if stop is None:
+        assert detok.output_text == tok.decode(ids)
+    return deltas
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+def test_byte_split_characters_stream_whole(smollm2, chunk):
+    # CJK and emoji written byte by byte, as a byte-level model may sample them, arriving in
+    # speculative-decoding-sized chunks: the window often never ends at a character boundary.
+    text = "日本語のテキスト🎉🚀é中文👩‍💻Ω" * 3
+    ids = byte_tokens(smollm2, text.encode())
+    deltas = check_stream(smollm2, ids, chunk=chunk)
+    assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
+
+
+def test_split_character_after_a_long_undecodable_run(smollm2):
+    # 15-16 garbage bytes used to be committed together with the first byte of the emoji
+    # after them, which then came out as U+FFFD instead of 🎉.
+    for run in range(12, 20):
+        ids = byte_tokens(smollm2, b"\x80" * run + "🎉".encode()) + smollm2.encode(" ok", False)
+        deltas = check_stream(smollm2, ids)
+        assert "".join(deltas) == "\ufffd" * run + "🎉 ok"
+
+
+def test_garbage_and_split_characters_mixed(smollm2):
+    rng = random.Random(7)
+    pieces = [lambda: byte_tokens(smollm2, bytes([rng.choice([0x80, 0xbf, 0xf0, 0xe2, 0xc3])])
+                                  * rng.randint(1, 30)),
+              lambda: byte_tokens(smollm2, rng.choice(["🎉", "日本", "é", "👩‍💻"]).encode())
+              * rng.randint(1, 6),
+              lambda: smollm2.encode(rng.choice([" hi", "abc", "\n", " 🎉x"]), False)]
+    for _ in range(300):
+        ids = [i for _ in range(rng.randint(1, 10)) for i in rng.choice(pieces)()]
+        check_stream(smollm2, ids, rng=rng)
+
+
+def test_invalid_utf8_is_replacement_characters(smollm2):
+    cases = {b"ok\x80done": "ok\ufffddone",          # a lone continuation byte
+             b"\xf0abc": "\ufffdabc",                 # a lead byte cut short by ASCII
+             b"\xe6\x97": "\ufffd",                   # a character cut by the end of the output
+             b"\xed\xa0\x80": "\ufffd" * 3}           # UTF-8 for a surrogate: invalid
+    for data, want in cases.items():
+        ids = byte_tokens(smollm2, data)
+        for chunk in (1, 2, len(ids)):
+            assert "".join(check_stream(smollm2, ids, chunk=chunk)) == want
+
+
+def test_prompt_ending_in_half_a_character(smollm2):
+    prompt = smollm2.encode("party ", False) + byte_tokens(smollm2, "🎉".encode()[:2])
+    ids = byte_tokens(smollm2, "🎉".encode()[2:]) + smollm2.encode(" done", False)
+    detok = IncrementalDetokenizer(smollm2, SamplingParams(), prompt)
+    stream(detok, ids)
+    assert detok.output_text == smollm2.decode(ids) == "\ufffd\ufffd done"
+
+
+@pytest.mark.parametrize("stop", ["🎉", "\x00", "\r\n", "\u2028", "日本"])
+def test_stop_strings_of_split_and_control_characters(smollm2, stop):
+    text = f"before{stop}after"
+    ids = byte_tokens(smollm2, text.encode())
+    for include in (False, True):
+        params = SamplingParams(stop=[stop], include_stop_str_in_output=include)
+        detok = IncrementalDetokenizer(smollm2, params, [])
+        deltas, found = stream(detok, ids)
+        assert found == stop and "".join(deltas) == detok.output_text
+        assert detok.output_text == ("before" + stop if include else "before")
+
+
+class ByteFallbackTokenizer:
+    """SentencePiece-style decoding: byte tokens <0xNN> whose runs are decoded as a whole, so
+    a run ending mid-character is all U+FFFD, complete characters before the cut included."""
+
+    def __init__(self):
+        vocab = {"<unk>": 0}
+        vocab.update({f"<0x{b:02X}>": 1 + b for b in range(256)})
+        vocab.update({w: 257 + i for i, w in enumerate(["▁hi", "▁there", "abc", "\n"])})
+        self._tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        self._tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                               decoders.Fuse()])
+        self.vocab = vocab
+
+    def ids(self, *parts) -> list[int]:
+        """Words by name, other text as byte tokens."""
+        return [i for p in parts for i in ([self.vocab[p]] if p in self.vocab else
+                                           [1 + b for b in p.encode()])]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+def test_byte_fallback_characters_in_multi_token_steps(chunk):
+    # A step of several tokens (speculative decoding) ending inside a character used to lose
+    # the complete characters of the same byte run to U+FFFD.
+    tok = ByteFallbackTokenizer()
+    rng = random.Random(chunk)
+    parts = ["日本語", "🎉", "é", "👩‍💻", "▁hi", "▁there", "abc", "\n"]
+    for _ in range(100):
+        ids = tok.ids(*(rng.choice(parts) for _ in range(rng.randint(1, 12))))
+        deltas = check_stream(tok, ids, chunk=chunk, prompt=tok.ids("▁hi"))
+        assert not any("\ufffd" in d for d in deltas)

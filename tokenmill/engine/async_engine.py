@@ -27,6 +27,7 @@ __all__ = ["AsyncEngine", "EngineSnapshot", "RequestHandle", "EngineDeadError",
            "EngineNotReadyError", "EngineOverloadedError", "RequestFailedError"]
 
 logger = logging.getLogger("tokenmill.async_engine")
+LONG_TEXT_CHARS = 8192   # text prompts longer than this are tokenized outside the engine thread
 
 
 class EngineNotReadyError(RuntimeError):
@@ -126,6 +127,11 @@ class AsyncEngine:
         PoolingParams make a prompt-only request whose one output is an
         EmbeddingRequestOutput."""
         self.check_accepting()
+        if isinstance(prompt, str) and len(prompt) > LONG_TEXT_CHARS and self.tokenizer is not None:
+            # Encoded here, in a worker thread: in the engine thread a megabyte of text would
+            # stop every running request for the second its encoding takes.
+            ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+            prompt = {"prompt": prompt, "prompt_token_ids": ids}
         if isinstance(params, SamplingParams) and params.structured_outputs is not None:
             # Compiled here, in a worker thread, so one slow schema never stalls the engine
             # loop; the engine then finds it in the compile cache.

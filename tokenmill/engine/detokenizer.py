@@ -11,7 +11,10 @@ Decoding the whole output every step costs O(n) per token, so only a sliding win
 The window advances when its text does not end in U+FFFD, i.e. at a character boundary. Text that
 ends in U+FFFD is an incomplete UTF-8 character that later tokens may complete: the characters
 before it are committed (they can no longer change), the trailing U+FFFD run is kept *pending*
-and shows up in ``output_text`` but is streamed only at finish.
+and shows up in ``output_text`` but is streamed only at finish. When several tokens arrive at
+once (speculative decoding) and end mid-character, the text of those before the character is
+committed and the window moves up to it. A long run of undecodable tokens (garbage bytes) is
+committed up to its last three tokens, which may still start a character.
 
 Stop strings are searched only in newly committed text plus ``max_stop_len - 1`` characters
 back, and streaming holds back that many characters so a partial stop string never leaks.
@@ -95,11 +98,19 @@ class IncrementalDetokenizer:
 
     def _decode_window(self, num_new: int) -> None:
         prefix_text = self._decode(self._tokens[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self._tokens[self._prefix_offset:])[len(prefix_text):]
-        # Too many tokens carried over undecodable from earlier steps: give up waiting (see
-        # _MAX_PENDING_TOKENS) and commit. Tokens added now never count, so a big speculative
-        # batch ending mid-character still waits for its completion.
+        window_text = self._decode(self._tokens[self._prefix_offset:])
+        new_text = window_text[len(prefix_text):]
+        if new_text.endswith(_REPLACEMENT) and self._split_incomplete(prefix_text):
+            return
+        # Too many tokens carried over from earlier steps without the text ending at a
+        # character boundary (garbage bytes, or characters split in every step): cut the
+        # window short of its last tokens (_cut), or, with no clean cut, give up waiting and
+        # commit all (see _MAX_PENDING_TOKENS). Tokens added now never count, so a big
+        # speculative batch ending mid-character still waits for its completion.
         forced = len(self._tokens) - self._read_offset - num_new >= _MAX_PENDING_TOKENS
+        if forced and new_text.endswith(_REPLACEMENT) and self._cut(prefix_text, window_text):
+            self._decode_window(num_new=len(self._tokens) - self._read_offset)
+            return
         complete = forced or not new_text.endswith(_REPLACEMENT)
         stable = new_text if complete else new_text.rstrip(_REPLACEMENT)
         if len(stable) > self._window_committed:
@@ -110,6 +121,53 @@ class IncrementalDetokenizer:
         # the window keeps the next token's context right.
         if (complete and new_text) or forced:
             self._advance()
+
+    def _split_incomplete(self, prefix_text: str) -> bool:
+        """Several new tokens (speculative decoding) whose text ends mid-character: commit the
+        text of those before the character, and keep only the character's tokens (at most
+        three: UTF-8 needs <= 4 bytes) as new. Stripping the trailing U+FFFD would not do: a
+        byte-fallback decoder (SentencePiece) writes a whole run of byte tokens as U+FFFD
+        while its last character is incomplete, complete characters before it included."""
+        tokens, start = self._tokens, self._prefix_offset
+        for split in range(len(tokens) - 1, max(self._read_offset, len(tokens) - 4), -1):
+            head = self._decode(tokens[start:split])
+            head_new = head[len(prefix_text):]
+            if (head.endswith(_REPLACEMENT) or not head.startswith(prefix_text)
+                    or len(head_new) < self._window_committed):
+                continue
+            self._text += head_new[self._window_committed:]
+            del tokens[:self._read_offset]   # the committed new tokens become the context
+            self._prefix_offset, self._read_offset = 0, split - self._read_offset
+            self._window_committed = 0
+            context = self._decode(tokens[:self._read_offset])
+            self._pending = self._decode(tokens)[len(context):]
+            return True
+        return False
+
+    def _cut(self, prefix_text: str, window_text: str) -> bool:
+        """Move the window start past the carried tokens without waiting for the text to
+        end at a character boundary. The cut goes at a token boundary where decoding the two
+        sides apart gives the text of decoding them together (so no later token changes the
+        head) and before the last three tokens (they may start a character a later token
+        completes: UTF-8 needs <= 4 bytes, a token carries >= 1). The head's text is
+        committed; the token before the cut stays as context. False: no clean boundary."""
+        tokens, committed = self._tokens, self._window_committed
+        # Boundaries inside a character fail the test; clean ones are a few tokens apart, so
+        # the search (only when the window has grown long) stops after a few decodes.
+        for cut in range(len(tokens) - 3, self._read_offset, -1):
+            head = self._decode(tokens[self._prefix_offset:cut])
+            context = self._decode(tokens[cut - 1:cut])
+            tail = self._decode(tokens[cut - 1:])[len(context):]
+            if head + tail != window_text or not head.startswith(prefix_text):
+                continue
+            head_new = head[len(prefix_text):]
+            self._text += head_new[committed:]
+            del tokens[:cut - 1]
+            self._prefix_offset, self._read_offset = 0, 1
+            # text of the tail already committed in earlier steps stays committed
+            self._window_committed, self._pending = max(committed - len(head_new), 0), ""
+            return True
+        return False
 
     def _advance(self) -> None:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)

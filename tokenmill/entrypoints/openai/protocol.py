@@ -7,9 +7,11 @@ OpenAI fields keep working.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+import re
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 _INT64 = 2**63 - 1
 Finite = Annotated[float, Field(allow_inf_nan=False)]
@@ -20,17 +22,51 @@ Seed = Annotated[int, Field(ge=-_INT64 - 1, le=_INT64)]
 MaxTokens = Annotated[int, Field(ge=1, le=_INT64)]
 TopLogprobs = Annotated[int, Field(ge=0, le=20)]
 TokenId = Annotated[int, Field(ge=0, le=_INT64)]
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+def _lone_surrogate(value: Any) -> Optional[str]:
+    """The first lone surrogate in raw JSON data, or None. Lists that start with a number
+    (token ids) are skipped: a string inside one fails their type check anyway."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            found = _SURROGATE.search(item)
+            if found:
+                return found.group()
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list) and item and not isinstance(item[0], (int, float)):
+            stack.extend(item)
+    return None
+
+
+class _Request(_Body):
+    """A whole request. JSON can spell a lone surrogate ("\\ud800"), which no UTF-8 text
+    holds: the tokenizer cannot encode it and no response could echo it back, so every field
+    is checked here and the client gets a 400 naming the field."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        found = _lone_surrogate(value)
+        if found is not None:
+            raise PydanticCustomError("unicode", "holds a lone surrogate U+{code}; text must be "
+                                      "valid Unicode", {"code": f"{ord(found):04X}"})
+        return value
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class SamplingFields(_Body):
+class SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions (vLLM extras included)."""
 
     model: Optional[str] = None
@@ -129,7 +165,7 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: Optional[bool] = None   # False: at most one call
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(_Request):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
@@ -142,7 +178,7 @@ class DetokenizeRequest(_Body):
     tokens: list[TokenId]
 
 
-class EmbeddingRequest(_Body):
+class EmbeddingRequest(_Request):
     """POST /v1/embeddings (OpenAI's fields; ``pooling`` and ``normalize`` are vLLM-style
     extras; ``user`` is accepted and ignored)."""
 
