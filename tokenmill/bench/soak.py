@@ -49,12 +49,16 @@ def add_parser(sub) -> None:
     p.add_argument("--request-rate", type=float, default=2.0, help="Poisson arrivals per second")
     p.add_argument("--max-concurrency", type=int, default=32)
     p.add_argument("--abort-fraction", type=float, default=0.25)
-    p.add_argument("--num-kv-blocks", type=int, default=48, help="small, to force preemption")
+    p.add_argument("--num-kv-blocks", type=int, default=24, help="small, to force preemption")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--num-threads", type=int, default=None, help="the server's torch threads")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request seconds")
     p.add_argument("--max-rss-slope-mb", type=float, default=16.0,
                    help="server RSS growth per 1,000 requests above which the run fails")
+    p.add_argument("--onednn-primitive-cache", type=int, default=None, metavar="N",
+                   help="cap oneDNN's kernel cache in the server (ONEDNN_PRIMITIVE_CACHE_CAPACITY "
+                        "of its process): its bounded warm-up (1,024 kernels, one per new GEMM "
+                        "shape) otherwise dominates RSS growth for thousands of requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     add_output_args(p)
@@ -75,8 +79,11 @@ class Server:
                "--disable-web-ui", "--log-level", "warning", "--drain-timeout", "30"]
         if args.num_threads:
             cmd += ["--num-threads", str(args.num_threads)]
+        env = dict(os.environ)
+        if args.onednn_primitive_cache is not None:   # read by oneDNN in the child process
+            env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(args.onednn_primitive_cache)
         self.log = open(os.devnull, "w") if args.quiet_server else None
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=self.log, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout: float = 600.0) -> None:
@@ -221,6 +228,7 @@ def summarize(args, ledger: Ledger, before: dict, after: dict, samples: list, wa
         "bench": "soak", "model": args.model, "duration_s": round(wall, 1),
         "requests": len(ledger.outcomes), "requests_by_outcome": ledger.by_kind(),
         "request_rate": args.request_rate, "num_kv_blocks": args.num_kv_blocks,
+        "onednn_primitive_cache": args.onednn_primitive_cache,
         "twins_compared": twins, "preemptions": preemptions,
         "failed_steps": metric_sum(after, "tokenmill:failed_steps_total")
         - metric_sum(before, "tokenmill:failed_steps_total"),

@@ -216,6 +216,7 @@ def _take_chunk(event: dict, req: SoakRequest, out: Outcome, start: float) -> in
             if out.ttft_s is None:
                 out.ttft_s = time.perf_counter() - start
         if choice.get("finish_reason") is not None:
+            out.texts.setdefault(k, "")   # a choice that ended at once streamed no text
             if k in out.finish_reasons:
                 out.violations.append(f"choice {k}: finish_reason sent twice")
             out.finish_reasons[k] = choice["finish_reason"]

@@ -17,7 +17,8 @@ def safetensors_reader(handle) -> Callable:
     """ranges -> tensor, for a safetensors PySafeSlice (its file must stay open)."""
     def read(ranges: tuple) -> torch.Tensor:
         index = tuple(slice(s, s + n) for s, n in ranges)
-        return handle[index] if index else handle[:]
+        # a 0-dim tensor has no ranges, and a slice handle refuses [:] on it
+        return handle[index] if index else handle[...]
     return read
 
 

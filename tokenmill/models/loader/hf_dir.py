@@ -152,9 +152,7 @@ def iter_safetensors(files: list[str], lazy: bool = False) -> Iterator[tuple[str
 def _lazy(handle) -> LazyTensor:
     dtype = getattr(torch, _SAFETENSORS_DTYPES.get(handle.get_dtype(), "float32"))
     shape = tuple(handle.get_shape())
-    # A 0-dim tensor has no ranges and a slice handle refuses ``[:]`` on it; ``[...]`` reads it.
-    read = safetensors_reader(handle) if shape else (lambda ranges: handle[...])
-    return LazyTensor(read, shape, dtype)
+    return LazyTensor(safetensors_reader(handle), shape, dtype)
 
 
 # safetensors dtype names -> torch names (floats are widened to float32 when read)
