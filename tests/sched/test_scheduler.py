@@ -189,3 +189,43 @@ def test_prefix_cache_hit_skips_computation():
     so = s.schedule()
     assert so.num_scheduled_tokens["again"] == 1     # 16 tokens served by the cache
     assert r.num_cached_tokens == 16
+
+
+class FailingModel(HistoryModel):
+    """Raises (as a failed step would) whenever the poisoned request is in the step with
+    ``at`` output tokens."""
+
+    def __init__(self, poisoned: str, at: int):
+        super().__init__()
+        self.poisoned, self.at = poisoned, at
+
+    def execute(self, sched, so):
+        req = sched.requests.get(self.poisoned)
+        if self.poisoned in so.num_scheduled_tokens and req.num_output_tokens == self.at:
+            return None
+        return super().execute(sched, so)
+
+
+def test_failed_step_isolates_its_requests_and_fails_only_the_culprit():
+    specs = [("r-1", 9, 6), ("r-2", 5, 6), ("r-3", 7, 6)]
+    expected = reference_outputs(specs)
+    s, model = make_sched(num_blocks=32, budget=64), FailingModel("r-2", at=2)
+    for rid, n, m in specs:
+        s.add_request(req(rid, n, m))
+    outputs, alone_steps, errors = {}, 0, {}
+    while s.has_unfinished_requests():
+        so = s.schedule()
+        if s.suspects:
+            assert len(so.num_scheduled_tokens) == 1   # a suspect always runs alone
+            alone_steps += 1
+        ro = model.execute(s, so)
+        outs = s.update_from_output(so, ro) if ro is not None else \
+            s.recover_failed_step(so, "boom")
+        for out in outs:
+            outputs.setdefault(out.req_id, []).extend(out.new_token_ids)
+            if out.error:
+                errors[out.req_id] = out.error
+    assert errors == {"r-2": "boom"} and outputs["r-2"] == expected["r-2"][:2]
+    assert outputs["r-1"] == expected["r-1"] and outputs["r-3"] == expected["r-3"]
+    assert alone_steps >= 3 and s.num_preemptions == 0 and not s.suspects
+    assert s.kv.num_free_blocks == s.kv.num_total_blocks

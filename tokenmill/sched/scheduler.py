@@ -290,7 +290,8 @@ class Scheduler:
                 if not req.is_finished and token_ids:   # drafts follow a sampled token
                     req.spec_token_ids = self._usable_drafts(
                         req, runner_out.draft_token_ids.get(req_id))
-            if self.suspects.get(req_id, req.num_tokens + 1) <= req.num_computed_tokens:
+            reached = self.suspects.get(req_id)   # (a finished suspect is gone already)
+            if reached is not None and req.num_computed_tokens >= reached:
                 del self.suspects[req_id]   # it got past the failed step alone
             out.finished = req.is_finished
             out.finish_reason = req.status.finish_reason
