@@ -114,8 +114,8 @@ class Ledger:
 def rss_slope_mb_per_1000(samples: list[tuple[int, int]]) -> Optional[float]:
     """Least-squares slope of (requests ended, RSS bytes) in MB per 1,000 requests over the
     second half of the run; None with too few samples. The first half is warm-up: caches
-    that fill once and stay bounded grow RSS there -- above all oneDNN's primitive cache (up
-    to 1,024 kernels, one per new GEMM shape, i.e. per new prefill length)."""
+    that fill once and stay bounded grow RSS there (oneDNN's primitive cache keeps up to
+    1,024 kernels, one per new GEMM shape, i.e. per new prefill length)."""
     tail = samples[len(samples) // 2:]
     xs = [float(x) for x, _ in tail]
     if len(tail) < 4 or max(xs) - min(xs) < 20:
