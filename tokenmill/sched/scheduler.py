@@ -168,7 +168,8 @@ class Scheduler:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             while (new_block_ids := self._allocate_running(req, num_new)[0]) is None:
                 preempted.add(self._preempt_other(req))
-            cached_reqs = [c for c in [self._request_data(req, new_block_ids, new_reqs)] if c]
+            data = self._request_data(req, new_block_ids, new_reqs)   # None: sent as new
+            cached_reqs = [data] if data is not None else []
         else:
             while len(self.running) >= self.config.max_num_seqs:
                 preempted.add(self._preempt_other(req))
