@@ -7,6 +7,18 @@ import torch
 # Two threads on CI; tests don't need more and must not oversubscribe.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# Triton kernels run in Triton's interpreter on CPU tensors where no GPU is present (CI): the
+# switch is read when a kernel is decorated, so it must be set before any kernel module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def triton_device() -> torch.device:
+    """Where the Triton kernel tests put their tensors: the GPU when there is one (compiled
+    kernels), else the CPU (the interpreter)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 def save_tiny_llama(path, seed=0, **overrides):
     import transformers

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "cpu", "reference", "triton")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 
 
@@ -20,7 +22,16 @@ class ModelConfig:
     max_model_len: Optional[int] = None    # None = the checkpoint's limit
     seed: int = 0
     skip_tokenizer_init: bool = False
+    # "auto" = CUDA when a GPU is visible, else the CPU.
+    device: str = "auto"
+    # "auto" = "triton" on CUDA (paged attention and fused ops as Triton kernels), "cpu" on the
+    # CPU. "triton" on a CPU runs the kernels in Triton's interpreter (tests of the CUDA path).
     attention_backend: str = "auto"
+    # CUDA graphs are captured for decode steps of up to max_num_seqs sequences (the Triton
+    # backend); True runs every step eagerly.
+    enforce_eager: bool = False
+    # "dummy": config.json only, random weights (speed measurements at any size, no download).
+    load_format: str = "auto"
     # Weight quantization: None, "int8", "int4" / "int4-g32|g64|g128", "fp8" (online RTN), or
     # "gguf" (keep GGUF Q8_0/Q4_0/Q4_1 packed). GPTQ / AWQ / FP8 checkpoints need none.
     quantization: Optional[str] = None
@@ -53,6 +64,15 @@ class ModelConfig:
             raise ValueError(f"cpu_kernels must be True or False, got {self.cpu_kernels!r}")
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a non-empty name or path")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int)

@@ -7,7 +7,15 @@ from typing import Optional
 import torch
 
 
-def pick_device() -> torch.device:
+def pick_device(requested: str = "auto") -> torch.device:
+    """"auto": CUDA when a GPU is visible, else the CPU; "cuda" without one is an error."""
+    if requested == "cpu":
+        return torch.device("cpu")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for, but torch sees no CUDA GPU "
+                         f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
+    if requested not in ("auto", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {requested!r}")
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 

@@ -45,10 +45,10 @@ class LLMEngine:
             raise ValueError(f"speculative method {config.speculative.method!r} does not run "
                              "with tensor_parallel_size > 1 yet; use 'ngram'")
         self.num_threads = set_num_threads(config.num_threads)
-        self.device = pick_device()
+        self.device = pick_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
         self.model_path = resolve_model(mc.model, cache_dir=config.cache_dir)
-        checkpoint = open_checkpoint(self.model_path)
+        checkpoint = open_checkpoint(self.model_path, mc.load_format)
         hf = checkpoint.hf_config
         self.max_model_len = _decide_max_model_len(mc.max_model_len, hf)
         # before any rank process starts
@@ -95,6 +95,8 @@ class LLMEngine:
             quantization=mc.quantization, quant_activations=mc.quant_activations,
             cpu_weight_prepack=mc.cpu_weight_prepack, cpu_kernels=mc.cpu_kernels,
             attention_backend=mc.attention_backend, torch_compile=mc.torch_compile, seed=mc.seed,
+            device=mc.device, enforce_eager=mc.enforce_eager, load_format=mc.load_format,
+            max_num_seqs=self.config.scheduler.max_num_seqs,
             master_addr=pc.master_addr, master_port=pc.master_port,
             num_threads=self.num_threads, collective_timeout_s=pc.collective_timeout_s,
             shm_collectives=pc.shm_collectives, expert_parallel=pc.enable_expert_parallel,

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Optional
 
-from tokenmill.config import KV_CACHE_DTYPES
+from tokenmill.config import ATTENTION_BACKENDS, DEVICES, KV_CACHE_DTYPES
 
 
 def _default_cache_dir() -> Optional[str]:
@@ -28,6 +28,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="smollm2-135m",
                    help="model name (see `tokenmill pull --list`), HF directory or .gguf file")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    g.add_argument("--device", default="auto", choices=list(DEVICES),
+                   help="auto = CUDA when a GPU is visible, else the CPU")
+    g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
+                   help="auto = triton on CUDA, cpu on the CPU; reference = plain PyTorch")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy = random weights from the model directory's config.json "
+                        "(speed measurements at any size)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run decode steps eagerly instead of replaying captured CUDA graphs")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-kv-blocks", type=int, default=None)
@@ -111,6 +120,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _make_llm(args):
     from tokenmill.entrypoints.llm import LLM
     return LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+               device=args.device, attention_backend=args.attention_backend,
+               enforce_eager=args.enforce_eager, load_format=args.load_format,
                block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
                gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
@@ -306,6 +317,8 @@ def _add_bench_parsers(sub) -> None:
     collectives.add_parser(bench_sub)
     from tokenmill.bench import routing
     routing.add_parser(bench_sub)
+    from tokenmill.bench import gpu
+    gpu.add_parser(bench_sub)
     from tokenmill.bench import moe
     moe.add_parser(bench_sub)
     from tokenmill.bench import structured

@@ -93,6 +93,7 @@ def compute_inv_freq(rotary_dim: int, base: float, scaling: Optional[dict]) -> t
 
 class RotaryEmbedding(nn.Module):
     cpu_kernels = True   # the fused C kernel where it applies (cpu_ops.set_cpu_kernels)
+    triton_kernels = False   # the Triton kernel (CUDA backend; kernel_choice.set_triton_kernels)
 
     def __init__(self, head_dim: int, max_position: int, base: float,
                  scaling: Optional[dict] = None) -> None:
@@ -109,6 +110,10 @@ class RotaryEmbedding(nn.Module):
                 step_cache: Optional[dict] = None):
         # positions [T]; q [T, Hq, D]; k [T, Hkv, D]. step_cache (per-step, e.g. the attention
         # metadata's plan_cache) lets every layer reuse one cos/sin lookup.
+        if self.triton_kernels:   # in place, like the C kernel; positions are indexed on device
+            from tokenmill.layers import triton_ops
+            triton_ops.rope_(q, k, self.cos, self.sin, positions)
+            return q, k
         if self._fused_ok(positions, step_cache) and cpu_ops.rope_(q, k, self.cos, self.sin, positions):
             return q, k    # rotated in place (q, k are fresh projections the caller owns)
         key = ("rope", id(self))

@@ -67,3 +67,18 @@ def _expected_sources(params: dict, stacked: dict, tied: bool) -> set[str]:
         expanded = [pname.replace(fused, frag) for frag, (fused, _) in stacked.items() if fused in pname]
         names.update(expanded or [pname])
     return names
+
+
+def randomize_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
+    """Random weights in place of a checkpoint's (load_format="dummy"): matrices (linears,
+    embeddings) N(0, std), biases 0; norm weights keep the values their modules start with.
+    Online quantization then packs these like loaded weights."""
+    generator = None
+    for name, param in model.named_parameters():
+        if generator is None or generator.device != param.device:
+            generator = torch.Generator(device=param.device)
+            generator.manual_seed(seed)
+        if param.dim() >= 2 and param.is_floating_point():
+            param.data.normal_(0.0, std, generator=generator)
+        elif name.endswith("bias"):
+            param.data.zero_()

@@ -6,7 +6,8 @@ from typing import Optional
 
 import torch
 
-from tokenmill.layers.attention.metadata import AttentionMetadata
+from tokenmill.layers.attention.base import AttentionBackend
+from tokenmill.layers.attention.metadata import AttentionMetadata, to_device
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling_params import SamplingParams
 
@@ -83,7 +84,9 @@ class ModelInput:
 
 
 def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, RunnerRequestState],
-                      block_size: int, device: torch.device) -> ModelInput:
+                      block_size: int, device: torch.device,
+                      backend: Optional[AttentionBackend] = None) -> ModelInput:
+    """``backend`` builds the attention metadata (its own kind); None: the plain kind."""
     input_ids: list[int] = []
     positions: list[int] = []
     query_lens, seq_lens, block_tables = [], [], []
@@ -110,12 +113,14 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
             prompt_slice = _prompt_logprobs_slice(state, start, end, offset)
             if prompt_slice is not None:
                 prompt_slices.append(prompt_slice)
-    meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size, device)
+    build = backend.build_metadata if backend is not None else AttentionMetadata.build
+    meta = build(query_lens, seq_lens, block_tables, block_size, device)
+    ids_t, positions_t, logits_t = to_device(
+        [torch.tensor(v, dtype=torch.int64) for v in (input_ids, positions, logits_indices)], device)
     return ModelInput(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        input_ids=ids_t, positions=positions_t,
         attn_meta=meta, req_ids=req_ids, sample_req_ids=sample_req_ids,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        logits_indices=logits_t,
         prompt_logprobs=prompt_slices, pooling=pooling,
         num_draft_tokens=num_draft_tokens if any(num_draft_tokens) else [])
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from tokenmill.distributed.parallel_state import SINGLE, TPGroup
 from tokenmill.layers.cpu_ops import set_cpu_kernels
+from tokenmill.layers.kernel_choice import set_triton_kernels
 from tokenmill.layers.prepacked import prepack_linears
 from tokenmill.layers.quant import (attach_quantization, checkpoint_tensors,
                                     process_weights_after_loading, resolve_quant_spec)
@@ -15,14 +16,15 @@ from tokenmill.layers.quant.embedding import share_packed_head_with_embedding
 from tokenmill.layers.quant.methods import set_quant_activations
 from tokenmill.layers.quant.qgemm import tile_packed_linears
 from tokenmill.models.registry import model_class
-from tokenmill.models.weights import load_weights
+from tokenmill.models.weights import load_weights, randomize_weights
 
 
 def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
                 max_model_len: int, quantization: Optional[str] = None,
                 quant_activations: str = "fp32",
                 cpu_weight_prepack: bool = False, cpu_kernels: bool = True,
-                tp: TPGroup = SINGLE, expert_parallel: bool = False) -> torch.nn.Module:
+                tp: TPGroup = SINGLE, expert_parallel: bool = False,
+                triton_kernels: bool = False) -> torch.nn.Module:
     """``quantization``: None / "int8" / "int4[-gN]" / "fp8" / "gguf"; a quantized
     checkpoint (GPTQ, AWQ, FP8 config) brings its own scheme. ``quant_activations``: "fp32"
     / "q8" for the packed linears' matmuls. ``cpu_kernels``: the fused C kernels where
@@ -32,7 +34,8 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     for the tiled q8 GEMM (layers/quant/qgemm.py); ``model.prepacked_bytes`` says what it added.
     ``tp``: this rank's tensor-parallel group; each parameter loads only its piece (safetensors
     are read lazily, slice by slice). ``expert_parallel``: an MoE model's experts are split
-    whole over the ranks of ``tp``."""
+    whole over the ranks of ``tp``. ``triton_kernels``: norms, RoPE, gated activations and
+    packed linears run Triton kernels (the CUDA backend; kernel_choice.py)."""
     cfg = dict(checkpoint.hf_config)
     # RoPE tables only need to cover the context we serve.
     cfg["max_position_embeddings"] = max(max_model_len, 1)
@@ -41,14 +44,18 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
         model = cls(cfg, tp, expert_parallel=True) if expert_parallel else cls(cfg, tp)
     spec = resolve_quant_spec(quantization, checkpoint)
     plan = attach_quantization(model, spec)   # strategies create their parameters
-    load_weights(model, checkpoint_tensors(checkpoint, spec, plan, lazy=tp.is_parallel))
+    if checkpoint.random_weights:
+        randomize_weights(model, seed=0)
+    else:
+        load_weights(model, checkpoint_tensors(checkpoint, spec, plan, lazy=tp.is_parallel))
     model.to(dtype=dtype)
     process_weights_after_loading(model)      # strategies repack what they loaded
     share_packed_head_with_embedding(model)   # tied: no float copy of a packed head
     set_quant_activations(model, quant_activations)
-    set_cpu_kernels(model, cpu_kernels)
+    set_cpu_kernels(model, cpu_kernels and not triton_kernels)
+    set_triton_kernels(model, triton_kernels)
     model.prepacked_bytes = prepack_linears(model) + tile_packed_linears(model) \
-        if cpu_weight_prepack else 0
+        if cpu_weight_prepack and not triton_kernels else 0
     model.quantization_method = spec.method   # what runs (a checkpoint's own scheme too)
     model.eval()
     return model

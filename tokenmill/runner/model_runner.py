@@ -47,7 +47,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
                  seed: int = 0, torch_compile: bool = False, cpu_kernels: bool = True,
-                 faults: Optional[FaultInjector] = None) -> None:
+                 faults: Optional[FaultInjector] = None, cuda_graphs: bool = False,
+                 max_num_seqs: int = 64, max_model_len: int = 2048) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -56,9 +57,17 @@ class ModelRunner:
         # a tensor-parallel rank's cache holds only its KV heads
         self.kv_caches = allocate_kv_caches(a.num_hidden_layers, num_blocks, block_size,
                                             model.num_kv_heads, a.head_dim, dtype, device)
-        self.backend = get_attention_backend(attention_backend, cpu_kernels)
+        self.backend = get_attention_backend(attention_backend, cpu_kernels, device,
+                                             model.num_kv_heads)
         if torch_compile:
             compile_layers(model, self.backend)
+        # decode steps replayed from CUDA graphs (runner/cuda_graphs.py); None: always eager
+        self.graphs = None
+        if cuda_graphs and device.type == "cuda" and self.backend.name == "triton" \
+                and not getattr(model, "moe_layers", None):   # MoE routing syncs with the host
+            from tokenmill.runner.cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(model, self.kv_caches, self.backend, max_num_seqs,
+                                       max_model_len, block_size, device, capture=True)
         self.sampler = Sampler()
         self.shared_generator = torch.Generator(device=device)
         self.shared_generator.manual_seed(seed)
@@ -98,7 +107,8 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
-        inp = build_model_input(so.num_scheduled_tokens, self.states, self.block_size, self.device)
+        inp = build_model_input(so.num_scheduled_tokens, self.states, self.block_size, self.device,
+                                self.backend)
         if self.faults is not None:
             self.faults.before_forward(inp.req_ids, self.states)
         hidden = self._forward(inp)
@@ -130,7 +140,12 @@ class ModelRunner:
 
     def _forward(self, inp: ModelInput) -> torch.Tensor:
         """Hidden states [T, hidden] of the step: the one-call C decode stack when it applies
-        (decode-sized steps of a plain single-rank Llama stack), else the model's modules."""
+        (decode-sized steps of a plain single-rank Llama stack), a CUDA graph (decode steps on
+        the Triton backend), else the model's modules."""
+        if self.graphs is not None:
+            size = self.graphs.bucket(inp)
+            if size is not None:
+                return self.graphs.run(inp, size)
         hidden = fused_stack.forward(self.model, inp.input_ids, inp.positions, self.kv_caches,
                                      inp.attn_meta, self.backend)
         if hidden is not None:

@@ -36,7 +36,7 @@ class RankActor:
         from tokenmill.distributed.parallel_state import init_tp_group
         from tokenmill.runner.worker import RankWorker, _rank_device
         s = self.spec
-        tp = init_tp_group(s.rank, s.world_size, addr, port, _rank_device(s.rank),
+        tp = init_tp_group(s.rank, s.world_size, addr, port, _rank_device(s.rank, s.device),
                            s.collective_timeout_s, s.shm_collectives)
         self.worker = RankWorker(s, tp)
         return serial.encode(self.worker.load())

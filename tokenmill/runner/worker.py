@@ -39,6 +39,10 @@ class RankSpec:
     attention_backend: str
     torch_compile: bool
     seed: int
+    device: str = "auto"          # ModelConfig.device
+    enforce_eager: bool = False   # no CUDA graphs
+    max_num_seqs: int = 64        # the largest decode batch a CUDA graph is captured for
+    load_format: str = "auto"     # "dummy": random weights
     rank: int = 0
     world_size: int = 1
     master_addr: str = "127.0.0.1"
@@ -86,7 +90,7 @@ def _dtype(name: str) -> torch.dtype:
 class RankWorker:
     def __init__(self, spec: RankSpec, tp: TPGroup) -> None:
         self.spec, self.tp = spec, tp
-        self.device = _rank_device(spec.rank)
+        self.device = _rank_device(spec.rank, spec.device)
         self.model = None
         self.runner = None
         self.checkpoint = None
@@ -95,20 +99,23 @@ class RankWorker:
         """Build this rank's shard (from ``checkpoint`` when the caller has it open)."""
         from tokenmill.engine.stats import module_bytes
         from tokenmill.layers import native
+        from tokenmill.layers.attention.base import resolve_backend_name
         from tokenmill.models.loader import open_checkpoint
         from tokenmill.runner.model_loader import build_model
         s = self.spec
         torch.manual_seed(s.seed)
         if self.device.type == "cpu":
             native.build()
-        checkpoint = checkpoint if checkpoint is not None else open_checkpoint(s.model_path)
+        checkpoint = checkpoint if checkpoint is not None else open_checkpoint(s.model_path, s.load_format)
         self.checkpoint = checkpoint   # hot-expert replicas are read from it later
         self.model = build_model(checkpoint, self.device, _dtype(s.dtype),
                                  s.max_model_len, quantization=s.quantization,
                                  quant_activations=s.quant_activations,
                                  cpu_weight_prepack=s.cpu_weight_prepack,
                                  cpu_kernels=s.cpu_kernels, tp=self.tp,
-                                 expert_parallel=s.expert_parallel)
+                                 expert_parallel=s.expert_parallel,
+                                 triton_kernels=resolve_backend_name(
+                                     s.attention_backend, self.device) == "triton")
         a = self.model.args
         return RankInfo(rank=s.rank, vocab_size=a.vocab_size, num_layers=a.num_hidden_layers,
                         head_dim=a.head_dim, num_kv_heads=self.model.num_kv_heads,
@@ -126,7 +133,8 @@ class RankWorker:
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.device,
                                   _dtype(s.kv_dtype), s.attention_backend, seed=s.seed,
                                   torch_compile=s.torch_compile, cpu_kernels=s.cpu_kernels,
-                                  faults=faults)
+                                  faults=faults, cuda_graphs=not s.enforce_eager,
+                                  max_num_seqs=s.max_num_seqs, max_model_len=s.max_model_len)
         if s.speculative is None or s.rank != 0:
             return 0
         from tokenmill.spec.decoder import build_spec_decoder
@@ -196,9 +204,9 @@ class RankWorker:
                 self.runner.spec.finish_request(req_id)
 
 
-def _rank_device(rank: int) -> torch.device:
+def _rank_device(rank: int, requested: str = "auto") -> torch.device:
     from tokenmill.platform import pick_device
-    device = pick_device()
+    device = pick_device(requested)
     if device.type == "cuda":
         return torch.device("cuda", rank % torch.cuda.device_count())
     return device
@@ -215,7 +223,7 @@ def worker_process_main(spec_bytes: bytes, conn) -> None:
     tp = None
     try:
         tp = init_tp_group(spec.rank, spec.world_size, spec.master_addr, spec.master_port,
-                           _rank_device(spec.rank), spec.collective_timeout_s,
+                           _rank_device(spec.rank, spec.device), spec.collective_timeout_s,
                            spec.shm_collectives)
         worker = RankWorker(spec, tp)
         conn.send_bytes(serial.encode(("ok", worker.load())))

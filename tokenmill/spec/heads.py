@@ -19,7 +19,6 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.models.llama import LlamaArgs, LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.models.weights import load_weights
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -98,8 +97,8 @@ class EagleProposer:
         feature = hidden[torch.tensor(rows, device=self.device)]
         pos0 = torch.tensor([states[i].num_tokens - 1 for i in rows], device=self.device)
         for step in range(k):
-            meta = AttentionMetadata.build([1] * len(rows), [step + 1] * len(rows), tables,
-                                           self.block_size, self.device)
+            meta = self.backend.build_metadata([1] * len(rows), [step + 1] * len(rows), tables,
+                                               self.block_size, self.device)
             emb = self.target.model.embed_tokens(torch.tensor(tokens, device=self.device))
             x = self.head.fc(torch.cat([emb, feature.to(emb.dtype)], dim=-1))
             feature = self.head.layers[0](pos0 + step, x, cache, meta, self.backend)

@@ -18,7 +18,6 @@ from typing import Optional
 
 import torch
 
-from tokenmill.layers.attention.metadata import AttentionMetadata
 
 
 class PagedDraftProposer:
@@ -84,7 +83,7 @@ class PagedDraftProposer:
             seq_lens.append(p0 + len(c))
             tables.append(states[i].block_ids)
             last.append(len(ids) - 1)
-        meta = AttentionMetadata.build(q_lens, seq_lens, tables, self.block_size, self.device)
+        meta = self.backend.build_metadata(q_lens, seq_lens, tables, self.block_size, self.device)
         dev = self.device
         h = self.model(torch.tensor(ids, dtype=torch.int64, device=dev),
                        torch.tensor(positions, dtype=torch.int64, device=dev),

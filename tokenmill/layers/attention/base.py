@@ -23,6 +23,13 @@ class AttentionBackend(ABC):
     name: str
     cpu_kernels: bool = False   # uses the fused C kernels (the CPU backend, when asked to)
 
+    def build_metadata(self, query_lens: list[int], seq_lens: list[int],
+                       block_tables: list[list[int]], block_size: int,
+                       device: torch.device) -> AttentionMetadata:
+        """The step's metadata from the scheduler's plain lists; a backend that needs more
+        (the Triton backend's context splits) returns its own subclass."""
+        return AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size, device)
+
     @abstractmethod
     def forward(
         self,
@@ -66,17 +73,33 @@ def check_gqa(num_heads: int, num_kv_heads: int) -> int:
     return num_heads // num_kv_heads
 
 
-BACKEND_NAMES = ("reference", "cpu", "auto")
+BACKEND_NAMES = ("reference", "cpu", "triton", "auto")
 
 
-def get_attention_backend(name: str = "auto", cpu_kernels: bool = True) -> AttentionBackend:
-    """Return a backend by name: "reference", "cpu" or "auto" (``cpu_kernels``: whether the
-    CPU backend may use the fused C kernel).
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """"auto" -> "triton" on CUDA when the triton package is there, else "cpu"."""
+    if name == "auto":
+        if device.type != "cuda":
+            return "cpu"
+        from tokenmill.layers.attention.triton import triton_available
+        return "triton" if triton_available(device) else "cpu"
+    return name
 
-    "auto" picks the CPU fast path; it is plain PyTorch, so it is also correct on CUDA
-    until a CUDA-specific backend exists. Imports are lazy so that backends may import this
-    module without a cycle, and so that a future CUDA backend never loads on CPU.
+
+def get_attention_backend(name: str = "auto", cpu_kernels: bool = True,
+                          device: torch.device = torch.device("cpu"),
+                          num_kv_heads: int = 1) -> AttentionBackend:
+    """Return a backend by name: "reference", "cpu", "triton" or "auto" (``cpu_kernels``:
+    whether the CPU backend may use the fused C kernel; ``num_kv_heads``: this rank's).
+
+    "auto" picks Triton on CUDA (the CPU backend, plain PyTorch there, when the triton package
+    is missing) and the CPU fast path on a CPU. Imports are lazy so that backends may import
+    this module without a cycle, and so that Triton never loads on a CPU unless asked for.
     """
+    name = resolve_backend_name(name, device)
+    if name == "triton":
+        from tokenmill.layers.attention.triton import TritonAttention
+        return TritonAttention(device, num_kv_heads)
     if name in ("cpu", "auto"):
         from tokenmill.layers.attention.cpu import CpuAttention
         return CpuAttention(cpu_kernels)

@@ -36,15 +36,18 @@ class AttentionMetadata:
     def num_reqs(self) -> int:
         return len(self.query_lens)
 
-    @staticmethod
+    @classmethod
     def build(
+        cls,
         query_lens: list[int],
         seq_lens: list[int],
         block_tables: list[list[int]],
         block_size: int,
         device,
+        **extra,
     ) -> "AttentionMetadata":
-        """Build tensors from plain lists (the scheduler's view) on ``device``."""
+        """Build tensors from plain lists (the scheduler's view) on ``device``; ``extra``
+        fields are a subclass's own."""
         _validate(query_lens, seq_lens, block_tables, block_size)
         num_reqs = len(query_lens)
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
@@ -53,18 +56,37 @@ class AttentionMetadata:
         torch.cumsum(q_lens, 0, out=cu_q[1:])
         tables = _pad_block_tables(block_tables)
         slot_mapping = _slot_mapping(q_lens, s_lens, cu_q, tables, block_size)
-        return AttentionMetadata(
-            num_tokens=int(cu_q[-1]),
-            query_start_loc=cu_q.to(device),
-            seq_lens=s_lens.to(device),
-            block_tables=tables.to(device),
-            slot_mapping=slot_mapping.to(device),
+        cu_q, s_lens, tables, slot_mapping = to_device([cu_q, s_lens, tables, slot_mapping], device)
+        return cls(
+            num_tokens=int(slot_mapping.shape[0]),
+            query_start_loc=cu_q,
+            seq_lens=s_lens,
+            block_tables=tables,
+            slot_mapping=slot_mapping,
             query_lens=list(query_lens),
             seq_lens_list=list(seq_lens),
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             block_size=block_size,
+            **extra,
         )
+
+
+def to_device(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """int64 host tensors on ``device``. Off the CPU they travel in one copy from pinned
+    memory (one transfer per step instead of one per tensor), returned as views."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return tensors
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    flat = flat.to(device, non_blocking=True)
+    out, start = [], 0
+    for t in tensors:
+        out.append(flat[start:start + t.numel()].view(t.shape))
+        start += t.numel()
+    return out
 
 
 def _validate(query_lens, seq_lens, block_tables, block_size) -> None:

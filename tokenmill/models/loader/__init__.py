@@ -27,6 +27,7 @@ class Checkpoint:
 
     hf_config: dict
     path: str
+    random_weights: bool = field(default=False, kw_only=True)   # load_format="dummy"
 
     def iter_tensors(self, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, float32 tensor in HF layout), one tensor in memory at a time.
@@ -71,8 +72,17 @@ def _is_gguf(path: str) -> bool:
     return os.path.isfile(path) and path.endswith(".gguf")
 
 
-def open_checkpoint(path: str) -> Checkpoint:
-    """Open a directory (config.json + safetensors) or a .gguf file; reads metadata only."""
+def open_checkpoint(path: str, load_format: str = "auto") -> Checkpoint:
+    """Open a directory (config.json + safetensors) or a .gguf file; reads metadata only.
+    ``load_format="dummy"``: a directory's config.json alone; the model gets random weights
+    (models/weights.py randomize_weights), for speed measurements at any model size."""
+    if load_format == "dummy":
+        if not os.path.isdir(path):
+            raise CheckpointError(f"{path}: load_format='dummy' needs a directory with a config.json")
+        return HFCheckpoint(hf_config=hf_dir.hf_config(path), path=path, files=[],
+                            random_weights=True)
+    if load_format != "auto":
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     if _is_gguf(path):
         gguf = GGUFFile(path)
         config = gguf_llama.hf_config(gguf)
