@@ -24,8 +24,9 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     # "auto" = CUDA when a GPU is visible, else the CPU.
     device: str = "auto"
-    # "auto" = "triton" on CUDA (paged attention and fused ops as Triton kernels), "cpu" on the
-    # CPU. "triton" on a CPU runs the kernels in Triton's interpreter (tests of the CUDA path).
+    # "auto" = "cpu" (plain PyTorch where the C kernels do not apply, so correct on CUDA too).
+    # "triton": paged attention and fused ops as Triton kernels (on a CPU, in Triton's
+    # interpreter: tests of the CUDA path); its kernel modules are not in the tree yet.
     attention_backend: str = "auto"
     # CUDA graphs are captured for decode steps of up to max_num_seqs sequences (the Triton
     # backend); True runs every step eagerly.

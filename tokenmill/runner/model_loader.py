@@ -34,8 +34,8 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     for the tiled q8 GEMM (layers/quant/qgemm.py); ``model.prepacked_bytes`` says what it added.
     ``tp``: this rank's tensor-parallel group; each parameter loads only its piece (safetensors
     are read lazily, slice by slice). ``expert_parallel``: an MoE model's experts are split
-    whole over the ranks of ``tp``. ``triton_kernels``: norms, RoPE, gated activations and
-    packed linears run Triton kernels (the CUDA backend; kernel_choice.py)."""
+    whole over the ranks of ``tp``. ``triton_kernels``: norms, RoPE and gated activations
+    run Triton kernels (the Triton backend; kernel_choice.py)."""
     cfg = dict(checkpoint.hf_config)
     # RoPE tables only need to cover the context we serve.
     cfg["max_position_embeddings"] = max(max_model_len, 1)

@@ -77,13 +77,10 @@ BACKEND_NAMES = ("reference", "cpu", "triton", "auto")
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    """"auto" -> "triton" on CUDA when the triton package is there, else "cpu"."""
-    if name == "auto":
-        if device.type != "cuda":
-            return "cpu"
-        from tokenmill.layers.attention.triton import triton_available
-        return "triton" if triton_available(device) else "cpu"
-    return name
+    """"auto" -> "cpu" (plain PyTorch, correct on CUDA too). The Triton backend is chosen by
+    name only: its kernel modules (attention/triton_kernels.py, layers/triton_ops.py) are not
+    written yet, so "auto" must not pick it on a GPU."""
+    return "cpu" if name == "auto" else name
 
 
 def get_attention_backend(name: str = "auto", cpu_kernels: bool = True,
@@ -92,9 +89,8 @@ def get_attention_backend(name: str = "auto", cpu_kernels: bool = True,
     """Return a backend by name: "reference", "cpu", "triton" or "auto" (``cpu_kernels``:
     whether the CPU backend may use the fused C kernel; ``num_kv_heads``: this rank's).
 
-    "auto" picks Triton on CUDA (the CPU backend, plain PyTorch there, when the triton package
-    is missing) and the CPU fast path on a CPU. Imports are lazy so that backends may import
-    this module without a cycle, and so that Triton never loads on a CPU unless asked for.
+    "auto" picks the CPU backend (see resolve_backend_name). Imports are lazy so that backends
+    may import this module without a cycle, and so that Triton never loads unless asked for.
     """
     name = resolve_backend_name(name, device)
     if name == "triton":
