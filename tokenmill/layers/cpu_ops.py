@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers import native
+from tokenmill.layers.kernel_choice import set_kernel_flag
 
 
 def tracing() -> bool:
@@ -31,10 +32,7 @@ def available() -> bool:
 def set_cpu_kernels(model: torch.nn.Module, enabled: bool) -> None:
     """Turn the fused CPU kernels on or off for one model: every module, and every linear
     strategy, that has a ``cpu_kernels`` attribute gets ``enabled``."""
-    for module in model.modules():
-        for owner in (module, getattr(module, "quant_method", None)):
-            if owner is not None and hasattr(owner, "cpu_kernels"):
-                owner.cpu_kernels = bool(enabled)
+    set_kernel_flag(model, "cpu_kernels", enabled)
 
 
 _F32 = torch.float32
