@@ -37,14 +37,19 @@ def random_prompts(num: int, input_len: int, vocab_size: int, seed: int = 0) -> 
             for _ in range(num)]
 
 
-def measure_bandwidth_gbps(num_bytes: int = 256 * 1024**2, repeats: int = 5) -> float:
-    """Memory bandwidth from a large copy: bytes read + bytes written per second."""
-    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+def measure_bandwidth_gbps(num_bytes: int = 256 * 1024**2, repeats: int = 5,
+                           device: torch.device = torch.device("cpu")) -> float:
+    """Memory bandwidth from a large copy: bytes read + bytes written per second (of the
+    GPU's memory for a CUDA ``device``, timed between synchronizations)."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def once() -> float:
+        sync()
         t = time.perf_counter()
         dst.copy_(src)
+        sync()
         return 2 * num_bytes / (time.perf_counter() - t) / 1e9
     return median_of(once, repeats)[0]
 

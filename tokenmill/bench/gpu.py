@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from tokenmill.bench.common import emit, machine_info, random_prompts
+from tokenmill.bench.common import emit, machine_info, measure_bandwidth_gbps, random_prompts
 
 SHAPES = {
     "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -59,24 +59,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def copy_bandwidth_gbps(device: torch.device, num_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Device memory bandwidth from a large copy: bytes read + written per second."""
-    if device.type == "cpu":
-        num_bytes = min(num_bytes, 256 << 20)
-    src = torch.ones(num_bytes // 2, dtype=torch.float16, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    samples = []
-    for _ in range(repeats):
-        _sync(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        samples.append(2 * num_bytes / (time.perf_counter() - t) / 1e9)
-    del src, dst
-    return statistics.median(samples)
-
-
 def write_config_dir(path: str, shape: str) -> str:
     cfg = dict(SHAPES[shape], architectures=["LlamaForCausalLM"], model_type="llama",
                rms_norm_eps=1e-5, hidden_act="silu", bos_token_id=1, eos_token_id=2,
@@ -87,12 +69,16 @@ def write_config_dir(path: str, shape: str) -> str:
     return path
 
 
-def _release(llm) -> None:
-    llm.engine.shutdown()
-    del llm
+def _free_device_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _release(llm) -> None:
+    llm.engine.shutdown()
+    del llm
+    _free_device_memory()
 
 
 def _llm(path: str, precision: str, device: str, **kw):
@@ -216,9 +202,7 @@ def hf_throughput(args, path: str, shape: str, dev: torch.device, batch: int) ->
         elapsed = time.perf_counter() - t
     tokens = (out.shape[1] - ids.shape[1]) * batch
     del hf
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+    _free_device_memory()
     return {"section": "throughput", "shape": shape, "precision": str(dtype).removeprefix("torch."),
             "engine": "hf-transformers", "num_seqs": batch, "output_tok_s": round(tokens / elapsed, 1)}
 
@@ -226,7 +210,8 @@ def hf_throughput(args, path: str, shape: str, dev: torch.device, batch: int) ->
 def run(args) -> int:
     from tokenmill.platform import pick_device
     dev = pick_device(args.device)
-    bandwidth = copy_bandwidth_gbps(dev)
+    # 1 GiB on a GPU: large enough that launch and sync costs vanish at HBM speed
+    bandwidth = measure_bandwidth_gbps(1 << 30 if dev.type == "cuda" else 256 << 20, device=dev)
     result = {"bench": "gpu", "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "copy_bandwidth_gb_s": round(bandwidth, 1), "machine": machine_info()}
     rows = []
