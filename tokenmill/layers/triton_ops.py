@@ -69,6 +69,7 @@ def _gated_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constex
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0).to(tl.float32)
     if GELU_TANH:
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        inner = tl.minimum(tl.maximum(inner, -20.0), 20.0)   # tanh is +-1 in fp32 beyond
         # tanh(y) = 1 - 2 / (exp(2y) + 1): the same formula compiled and interpreted
         act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))
     else:
