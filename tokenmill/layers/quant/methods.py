@@ -101,6 +101,7 @@ class PackedLinearMethod(LinearMethod):
     by ``set_quant_activations``)."""
 
     activations: str = "fp32"
+    triton_kernels = False   # the Triton GEMM / FP8 tensor cores (CUDA backend; kernel_choice)
 
     def __init__(self, use_kernel: bool = True, kernel_max_rows: int = DEFAULT_KERNEL_MAX_ROWS):
         self.use_kernel = use_kernel
@@ -108,8 +109,12 @@ class PackedLinearMethod(LinearMethod):
 
     def apply(self, layer, x, bias):
         parts = layer.packed
-        ys = [packed_linear(x, p, None, self.use_kernel, self.kernel_max_rows, self.activations)
-              for p in parts]
+        if self.triton_kernels:
+            from tokenmill.layers.quant.triton_gemm import triton_packed_linear
+            ys = [triton_packed_linear(x, p) for p in parts]
+        else:
+            ys = [packed_linear(x, p, None, self.use_kernel, self.kernel_max_rows,
+                                self.activations) for p in parts]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         if bias is not None:
             y = y + bias
