@@ -24,9 +24,9 @@ class ModelConfig:
     skip_tokenizer_init: bool = False
     # "auto" = CUDA when a GPU is visible, else the CPU.
     device: str = "auto"
-    # "auto" = "cpu" (plain PyTorch where the C kernels do not apply, so correct on CUDA too).
-    # "triton": paged attention and fused ops as Triton kernels (on a CPU, in Triton's
-    # interpreter: tests of the CUDA path); its kernel modules are not in the tree yet.
+    # "auto" = "triton" on CUDA when the triton package is installed, else "cpu" (C kernels
+    # on a CPU, plain PyTorch elsewhere). "triton": paged attention, fused ops and packed
+    # GEMMs as Triton kernels (on a CPU only in Triton's interpreter: tests of the CUDA path).
     attention_backend: str = "auto"
     # CUDA graphs are captured for decode steps of up to max_num_seqs sequences (the Triton
     # backend); True runs every step eagerly.

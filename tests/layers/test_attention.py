@@ -225,3 +225,14 @@ def test_get_attention_backend():
     assert get_attention_backend().name == "cpu"
     with pytest.raises(ValueError, match="reference"):
         get_attention_backend("flash-nope")
+
+
+def test_auto_backend_by_device(monkeypatch):
+    from tokenmill.layers.attention import base
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert base.resolve_backend_name("auto", cpu) == "cpu"
+    assert base.resolve_backend_name("reference", cuda) == "reference"
+    monkeypatch.setattr(base, "_triton_installed", lambda: True)
+    assert base.resolve_backend_name("auto", cuda) == "triton"
+    monkeypatch.setattr(base, "_triton_installed", lambda: False)
+    assert base.resolve_backend_name("auto", cuda) == "cpu"   # plain PyTorch on the GPU

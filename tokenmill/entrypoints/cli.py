@@ -31,8 +31,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", choices=list(DEVICES),
                    help="auto = CUDA when a GPU is visible, else the CPU")
     g.add_argument("--attention-backend", default="auto", choices=list(ATTENTION_BACKENDS),
-                   help="auto = cpu (PyTorch, also on CUDA); triton = Triton kernels (not in "
-                        "the tree yet); reference = plain PyTorch")
+                   help="auto = triton on CUDA (when the triton package is installed), "
+                        "else cpu; triton = Triton kernels (on a CPU only in Triton's "
+                        "interpreter, for tests); reference = plain PyTorch")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy = random weights from the model directory's config.json "
                         "(speed measurements at any size)")

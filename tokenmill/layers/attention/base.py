@@ -77,10 +77,18 @@ BACKEND_NAMES = ("reference", "cpu", "triton", "auto")
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:
-    """"auto" -> "cpu" (plain PyTorch, correct on CUDA too). The Triton backend is chosen by
-    name only: its kernel modules (attention/triton_kernels.py, layers/triton_ops.py) are not
-    written yet, so "auto" must not pick it on a GPU."""
-    return "cpu" if name == "auto" else name
+    """"auto" -> "triton" on a CUDA device where the triton package is installed (the
+    ``cuda`` extra), else "cpu" (plain PyTorch ops: right on any device)."""
+    if name != "auto":
+        return name
+    if torch.device(device).type == "cuda" and _triton_installed():
+        return "triton"
+    return "cpu"
+
+
+def _triton_installed() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
 
 
 def get_attention_backend(name: str = "auto", cpu_kernels: bool = True,
@@ -89,7 +97,7 @@ def get_attention_backend(name: str = "auto", cpu_kernels: bool = True,
     """Return a backend by name: "reference", "cpu", "triton" or "auto" (``cpu_kernels``:
     whether the CPU backend may use the fused C kernel; ``num_kv_heads``: this rank's).
 
-    "auto" picks the CPU backend (see resolve_backend_name). Imports are lazy so that backends
+    "auto" picks by device (see resolve_backend_name). Imports are lazy so that backends
     may import this module without a cycle, and so that Triton never loads unless asked for.
     """
     name = resolve_backend_name(name, device)
