@@ -32,14 +32,14 @@ run)
     nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv | tee "$out/gpu.txt"
     python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$out/gpu.txt"
     # 1. kernels and the end-to-end path, compiled (no TRITON_INTERPRET on a GPU machine)
-    timeout 240 python -m pytest -q -p no:cacheprovider \
+    timeout 180 python -m pytest -q -p no:cacheprovider \
         tests/layers/test_triton_attention.py tests/layers/test_triton_ops.py \
         tests/layers/quant/test_triton_gemm.py tests/runner/test_triton_backend.py \
         2>&1 | tee "$out/tests.txt" | tail -15
-    timeout 120 python -m pytest -q -p no:cacheprovider -m cuda tests/layers tests/runner \
+    timeout 60 python -m pytest -q -p no:cacheprovider -m cuda tests/layers tests/runner tests/sample \
         2>&1 | tee -a "$out/tests.txt" | tail -5
     # 2. fidelity, latency vs the HBM floor, throughput vs HF (JSON under $out)
-    timeout 420 python -m tokenmill.entrypoints.cli bench gpu --json "$out/bench_gpu.json" \
+    timeout 330 python -m tokenmill.entrypoints.cli bench gpu --json "$out/bench_gpu.json" \
         2>&1 | tee "$out/bench.txt" | tail -60
     ;;
 *)
