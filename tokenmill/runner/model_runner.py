@@ -113,7 +113,7 @@ class ModelRunner:
             self.faults.before_forward(inp.req_ids, self.states)
         hidden = self._forward(inp)
         out = ModelRunnerOutput(req_ids=inp.req_ids, sampled_token_ids=[[] for _ in inp.req_ids])
-        _flag_nonfinite(hidden, inp, out)
+        bad_hidden_rows = _nonfinite_rows(hidden)
         self._prompt_logprobs(hidden, inp, out)
         pool_rows(hidden, inp.pooling, self.states, out)
         last_rows = inp.logits_indices   # per sample request: hidden row of its newest token
@@ -125,6 +125,7 @@ class ModelRunner:
                 last_rows = inp.logits_indices[self._verify(logits, inp, out, so.grammar_bitmask)]
             else:
                 self._sample(logits, inp, out, so.grammar_bitmask)
+        _flag_nonfinite(bad_hidden_rows, inp, out)
         for req_id, n in so.num_scheduled_tokens.items():
             self.states[req_id].num_computed_tokens += n
         if self.spec is not None:
@@ -167,6 +168,7 @@ class ModelRunner:
                                        bitmask_rows(grammar_bitmask, inp.sample_req_ids, self.device))
         result = self.sampler(safe_logits, meta)
         sampled = result.sampled_token_ids.tolist()
+        bad_rows = _flags_list(bad_rows)
         lp = result.logprobs.tolists() if result.logprobs is not None else None
         index = {req_id: i for i, req_id in enumerate(inp.req_ids)}
         for row, req_id in enumerate(inp.sample_req_ids):
@@ -201,6 +203,7 @@ class ModelRunner:
         meta = build_sampling_metadata(rows, self.vocab_size, self.device, self.shared_generator,
                                        bitmask_rows(grammar_bitmask, row_req_ids, self.device))
         res = self.rejection_sampler(logits, meta, drafts)
+        bad_rows = _flags_list(bad_rows)
         lp = res.logprobs.tolists() if res.logprobs is not None else None
         index = {req_id: i for i, req_id in enumerate(inp.req_ids)}
         last_rows = []
@@ -232,25 +235,45 @@ class ModelRunner:
             out.prompt_logprobs[sl.req_id] = (sl.first_position + 1, entries)
 
 
-def _zero_nonfinite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, Optional[list[bool]]]:
-    """(logits with NaN/inf rows zeroed so sampling stays defined, per-row "bad" flags or
-    None when every row is finite). A row sum is non-finite whenever the row holds NaN/inf:
-    one cheap reduction in the common case."""
-    bad = ~torch.isfinite(logits.sum(dim=-1))
-    if not bool(bad.any()):
+def _nonfinite_rows(x: torch.Tensor):
+    """Rows of x [R, D] holding NaN/inf (their sum is non-finite: one reduction). On a CPU
+    a list of flags, or None when every row is finite, read at once (cheap there); on a
+    GPU the flags stay a device tensor until the step's results are read (``_flags_list``
+    after the sampled tokens), so the check adds no host sync inside the step."""
+    bad = ~torch.isfinite(x.sum(dim=-1))
+    if x.device.type != "cpu":
+        return bad
+    return bad.tolist() if bool(bad.any()) else None
+
+
+def _flags_list(bad) -> Optional[list[bool]]:
+    """``_nonfinite_rows``' result as a list of flags, or None when no row is bad."""
+    if bad is None or isinstance(bad, list):
+        return bad
+    flags = bad.tolist()
+    return flags if any(flags) else None
+
+
+def _zero_nonfinite_rows(logits: torch.Tensor):
+    """(logits with NaN/inf rows zeroed so sampling stays defined, ``_nonfinite_rows``)."""
+    bad = _nonfinite_rows(logits)
+    if bad is None:
         return logits, None
-    return torch.where(bad.unsqueeze(-1), torch.zeros_like(logits), logits), bad.tolist()
+    mask = bad if isinstance(bad, torch.Tensor) else torch.tensor(bad, device=logits.device)
+    return torch.where(mask.unsqueeze(-1), torch.zeros_like(logits), logits), bad
 
 
-def _flag_nonfinite(hidden: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput) -> None:
+def _flag_nonfinite(bad_rows, inp: ModelInput, out: ModelRunnerOutput) -> None:
     """A request whose hidden states went NaN/inf in any chunk fails (only it), so its KV
-    blocks are never published to the prefix cache. hidden [T, H]; one reduction per step."""
-    row_ok = torch.isfinite(hidden.sum(dim=-1))
-    if bool(row_ok.all()):
+    blocks are never published to the prefix cache. ``bad_rows``: ``_nonfinite_rows`` of
+    the step's hidden states [T, H]; a request already failed by its logits keeps that
+    error."""
+    flags = _flags_list(bad_rows)
+    if flags is None:
         return
     start = 0
     for req_id, n in zip(inp.req_ids, inp.attn_meta.query_lens):
-        if not bool(row_ok[start:start + n].all()):
+        if any(flags[start:start + n]) and req_id not in out.errors:
             out.errors[req_id] = "the model produced non-finite activations (NaN or inf)"
         start += n
 
