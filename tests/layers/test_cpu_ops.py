@@ -7,6 +7,7 @@ from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.attention.reference import ReferenceAttention
 from tokenmill.layers.rotary import RotaryEmbedding, _apply
+from tests.layers.block_tables import shuffled_block_tables
 
 # Skipped only where the kernels cannot exist; where they should, a failed build fails here.
 pytestmark = pytest.mark.skipif(not native.buildable(), reason="no C compiler, or a CPU without AVX2")
@@ -80,12 +81,7 @@ def test_paged_attention_matches_reference(window, d, requests):
     if requests.startswith("one-long"):
         q_lens, seq_lens = [3], [301]
         torch.set_num_threads(int(requests[-1]))
-    perm = torch.randperm(nblocks, generator=g).tolist()
-    tables, used = [], 0
-    for s in seq_lens:
-        n = -(-s // bs)
-        tables.append(perm[used:used + n])
-        used += n
+    tables = shuffled_block_tables(seq_lens, bs, nblocks, g)
     meta = AttentionMetadata.build(q_lens, seq_lens, tables, bs, "cpu")
     t = sum(q_lens)
     q = torch.randn(t, hq, d, generator=g)

@@ -12,21 +12,9 @@ from tokenmill.layers.attention import AttentionMetadata, ReferenceAttention  # 
 from tokenmill.layers.attention import triton_kernels as tk  # noqa: E402
 from tokenmill.layers.attention.kv_quant import QuantizedKV, quantize_kv  # noqa: E402
 from tokenmill.layers.attention.triton import TritonAttention  # noqa: E402
+from tests.layers.block_tables import shuffled_block_tables  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
-
-
-def _step(query_lens, seq_lens, block_size, num_blocks, seed=0):
-    """Metadata of one step whose requests own shuffled blocks (tables are not in order)."""
-    gen = torch.Generator().manual_seed(seed)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for s in seq_lens:
-        n = -(-s // block_size)
-        tables.append(order[used:used + n])
-        used += n
-    assert used <= num_blocks
-    return tables
 
 
 def _inputs(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size=16,
@@ -40,7 +28,7 @@ def _inputs(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size=
     # Earlier context already in the cache: random values in every slot.
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
-    tables = _step(query_lens, seq_lens, block_size, num_blocks, seed)
+    tables = shuffled_block_tables(seq_lens, block_size, num_blocks, gen)
     return q, k, v, k_cache, v_cache, tables
 
 
