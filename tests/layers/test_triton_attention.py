@@ -179,3 +179,12 @@ def test_fp8_write_rounds_every_midpoint_to_even(triton_device):
     tk.write_kv(x.to(triton_device), x.to(triton_device), cache.values, other.values, slot,
                 cache.scale, other.scale)
     assert torch.equal(cache.values[0, 0].cpu().view(torch.int8), values[0].view(torch.int8))
+
+
+def test_backend_splits_only_decode_like_steps(triton_device):
+    backend = TritonAttention(torch.device(triton_device), num_kv_heads=8)
+    table = [list(range(256))]
+    decode = backend.build_metadata([1], [4096], table, 16, triton_device)
+    prefill = backend.build_metadata([512], [4096], table, 16, triton_device)
+    assert decode.num_splits == tk.choose_num_splits(1, 8, 4096, backend.num_sms) > 1
+    assert prefill.num_splits == 1

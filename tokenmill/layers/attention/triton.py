@@ -22,6 +22,8 @@ from tokenmill.layers.attention.metadata import AttentionMetadata
 
 # Streaming multiprocessors assumed when the device reports none (the interpreter): an H100's.
 _DEFAULT_NUM_SMS = 132
+# Steps whose longest query is at most this (decode, speculative runs) may split the context.
+_MAX_SPLIT_QUERY_LEN = 16
 
 
 @dataclass
@@ -60,8 +62,10 @@ class TritonAttention(AttentionBackend):
                        block_tables: list[list[int]], block_size: int,
                        device: torch.device) -> TritonAttentionMetadata:
         from tokenmill.layers.attention.triton_kernels import choose_num_splits
-        splits = choose_num_splits(len(seq_lens), self.num_kv_heads, max(seq_lens, default=0),
-                                   self.num_sms)
+        splits = 1   # prefill chunks fill the GPU with query tiles; their split buffers would be big
+        if max(query_lens, default=0) <= _MAX_SPLIT_QUERY_LEN:
+            splits = choose_num_splits(len(seq_lens), self.num_kv_heads,
+                                       max(seq_lens, default=0), self.num_sms)
         return TritonAttentionMetadata.build(query_lens, seq_lens, block_tables, block_size,
                                              device, num_splits=splits)
 

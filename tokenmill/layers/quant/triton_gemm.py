@@ -20,7 +20,7 @@ _MIN_FP8_SCALE = 1e-12
 
 
 @triton.jit
-def _weight_tile(w_ptr, s_ptr, mins_ptr, rn, rk, n_ok, k_ok, stride_wn, stride_sn,
+def _weight_tile(w_ptr, s_ptr, mins_ptr, rn, k0, rk, n_ok, k_ok, stride_wn, stride_sn,
                  GROUP: tl.constexpr, KIND: tl.constexpr, HAS_MINS: tl.constexpr):
     """W[rn, rk] dequantized to fp32, [BLOCK_N, BLOCK_K]; the tile lies in one group."""
     mask = n_ok[:, None] & k_ok[None, :]
@@ -35,7 +35,7 @@ def _weight_tile(w_ptr, s_ptr, mins_ptr, rn, rk, n_ok, k_ok, stride_wn, stride_s
     else:
         q = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=mask,
                     other=0).to(tl.float32)
-    group = tl.min(rk, axis=0) // GROUP
+    group = k0 // GROUP
     w = q * tl.load(s_ptr + rn * stride_sn + group, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     if HAS_MINS:
         w += tl.load(mins_ptr + rn * stride_sn + group, mask=n_ok,
@@ -58,7 +58,7 @@ def _packed_gemm_kernel(x_ptr, w_ptr, s_ptr, mins_ptr, out_ptr, M, N, stride_xm,
         k_ok = rk < K
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = _weight_tile(w_ptr, s_ptr, mins_ptr, rn, rk, n_ok, k_ok, stride_wn, stride_sn,
+        w = _weight_tile(w_ptr, s_ptr, mins_ptr, rn, k0, rk, n_ok, k_ok, stride_wn, stride_sn,
                          GROUP, KIND, HAS_MINS).to(x.dtype)
         if UPCAST:   # the interpreter's dot reads bf16 / fp16 operands as raw integers
             x, w = x.to(tl.float32), w.to(tl.float32)
