@@ -46,7 +46,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r
         total = _round(res + x, sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * stride_sum + cols, total, mask=ok)
         x = total.to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / n_cols + eps)   # torch.rsqrt rounds
+    inv_rms = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / n_cols + eps)   # IEEE sqrt, as torch.rsqrt
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if GEMMA:
         w = 1.0 + w        # Gemma stores weight - 1
@@ -85,14 +85,15 @@ def _gated_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constex
     ok = cols < inter
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + inter + cols, mask=ok, other=0.0).to(tl.float32)
+    # act = gate * sigmoid(s): silu has s = gate; gelu-tanh has s = 2 * sqrt(2/pi) * (.), as
+    # 0.5 * (1 + tanh(y)) == sigmoid(2y), which avoids 1 + tanh's cancellation near -1
     if GELU_TANH:
-        # 0.5 * (1 + tanh(y)) == sigmoid(2y): no cancellation where tanh(y) is near -1,
-        # and plain exp works the same compiled and interpreted
-        z = -1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)   # -2*sqrt(2/pi)*(.)
+        s = 1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)
     else:
-        z = -gate
-    # clamped so exp stays finite (the interpreter warns on overflow); act is ~0 there anyway
-    act = gate / (1.0 + tl.exp(tl.minimum(z, 80.0)))
+        s = gate
+    # sigmoid from e = exp(-|s|) <= 1: exp never overflows (the interpreter would warn too)
+    e = tl.exp(-tl.abs(s))
+    act = gate * (tl.where(s >= 0, 1.0, e) / (1.0 + e))
     tl.store(out_ptr + row * stride_out + cols, _round(act * up, out_ptr.dtype.element_ty),
              mask=ok)
 
