@@ -10,7 +10,7 @@ from typing import Optional
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "reference", "triton")
-KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "fp16", "float16", "bf16", "bfloat16", "int8", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,11 @@ class ModelConfig:
 class CacheConfig:
     """Paged KV cache geometry. The pool is sized by ``num_kv_blocks`` if given, else by
     ``kv_cache_memory`` bytes, else (CUDA) ``gpu_memory_utilization`` of device memory.
-    ``kv_cache_dtype``: "auto" stores K/V in the model dtype; "int8" / "fp8" (E4M3, also
-    spelled "fp8_e4m3") store them quantized with a scale per token per KV head, so the same
-    memory holds about 4x (vs float32) the tokens."""
+    ``kv_cache_dtype``: "auto" stores K/V in the model dtype; "fp16" / "bf16" (also spelled
+    "float16" / "bfloat16") in half precision, rounded on write (half the bytes of float32
+    to read at every decode step); "int8" / "fp8" (E4M3, also spelled "fp8_e4m3") quantized
+    with a scale per token per KV head, so the same memory holds about 4x (vs float32) the
+    tokens."""
 
     block_size: int = 16
     num_kv_blocks: Optional[int] = None

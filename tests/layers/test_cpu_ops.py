@@ -63,16 +63,18 @@ def test_exp_extremes_through_silu():
     torch.testing.assert_close(got, SiluAndMul()(x), rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("d", [64, 48])   # 48: not a multiple of 32, the generic loops
 @pytest.mark.parametrize("requests", ["few", "many", "one-long-2", "one-long-3"])
-def test_paged_attention_matches_reference(window, d, requests):
+def test_paged_attention_matches_reference(window, d, requests, kv_dtype):
     """many: GQA heads grouped per task; one-long-N: a single request whose keys are split
-    across N threads (without a window), each part merged by max rescaling."""
+    across N threads (without a window), each part merged by max rescaling. Half-precision
+    caches are widened in registers: same numbers as the reference reading them as fp32."""
     g = torch.Generator().manual_seed(3)
     hq, hkv, bs, nblocks = 6, 2, 4, 120
-    k_cache = torch.randn(nblocks, bs, hkv, d, generator=g)
-    v_cache = torch.randn(nblocks, bs, hkv, d, generator=g)
+    k_cache = torch.randn(nblocks, bs, hkv, d, generator=g).to(kv_dtype)
+    v_cache = torch.randn(nblocks, bs, hkv, d, generator=g).to(kv_dtype)
     # decode at ctx 1, a 3-token speculative run, decode at ctx 23 (and more of the kind)
     q_lens, seq_lens = [1, 3, 1], [1, 9, 23]
     if requests == "many":

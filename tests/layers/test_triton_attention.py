@@ -18,7 +18,7 @@ FP8 = torch.float8_e4m3fn
 
 
 def _inputs(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size=16,
-            num_blocks=24, dtype=torch.float32, seed=0):
+            num_blocks=24, dtype=torch.float32, seed=0, cache_dtype=None):
     gen = torch.Generator().manual_seed(seed)
     t = sum(query_lens)
     q = torch.randn(t, num_heads, head_dim, generator=gen).to(dtype)
@@ -26,17 +26,18 @@ def _inputs(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size=
     v = torch.randn(t, num_kv_heads, head_dim, generator=gen).to(dtype)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     # Earlier context already in the cache: random values in every slot.
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    k_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
+    v_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
     tables = shuffled_block_tables(seq_lens, block_size, num_blocks, gen)
     return q, k, v, k_cache, v_cache, tables
 
 
 def _both(query_lens, seq_lens, device, num_heads=4, num_kv_heads=2, head_dim=32,
-          block_size=16, dtype=torch.float32, window=None, num_splits=1):
+          block_size=16, dtype=torch.float32, window=None, num_splits=1, cache_dtype=None):
     """(triton output, reference output), each after writing the step's K/V itself."""
     q, k, v, k_cache, v_cache, tables = _inputs(query_lens, seq_lens, num_heads, num_kv_heads,
-                                                head_dim, block_size, dtype=dtype)
+                                                head_dim, block_size, dtype=dtype,
+                                                cache_dtype=cache_dtype)
     scale = head_dim ** -0.5
     meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, "cpu")
     ref = ReferenceAttention().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, scale,
@@ -79,6 +80,12 @@ def test_context_splits_merge_to_the_same_answer(triton_device, num_splits):
 def test_bf16(triton_device):
     out, ref = _both([1, 4], [40, 9], triton_device, dtype=torch.bfloat16)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_half_precision_cache_under_a_float32_model(triton_device):
+    """kv_cache_dtype bf16 with fp32 weights: K/V rounded on write, widened on read."""
+    out, ref = _both([1, 3], [33, 12], triton_device, cache_dtype=torch.bfloat16)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_padding_rows_write_nothing_and_return_zeros(triton_device):

@@ -44,8 +44,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes")
     g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
-                   help="KV cache storage: model dtype (auto) or int8 / fp8 (E4M3) with "
-                        "per-token per-head scales, ~4x the tokens of float32")
+                   help="KV cache storage: model dtype (auto), fp16 / bf16 (half the bytes "
+                        "of float32), or int8 / fp8 (E4M3) with per-token per-head scales, ~4x "
+                        "the tokens of float32")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -1,6 +1,6 @@
 /* Paged attention of short query runs (decode tokens, speculative runs) for the fused
- * CPU path: reads K/V straight from the paged cache through the block table, float32 or
- * int8 with per-slot scales. Reference: tokenmill/layers/attention/reference.py; the tests
+ * CPU path: reads K/V straight from the paged cache through the block table, float32,
+ * float16 / bfloat16 (half the bytes, widened in registers) or int8 with per-slot scales. Reference: tokenmill/layers/attention/reference.py; the tests
  * compare the two (tests/layers/test_cpu_ops.py). */
 #include "cpu_simd.h"
 
@@ -12,61 +12,73 @@ static inline void prefetch_row(const float *row, int64_t D) {
     for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char *)(row + d), _MM_HINT_T0);
 }
 
+static inline void prefetch_bytes(const void *p, int64_t nbytes) {
+    for (int64_t b = 0; b < nbytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
+}
+
+/* Address of element `elem` of a float cache (f32 / f16 / bf16 values). */
+static inline const void *kv_at(const void *cache, int64_t elem, int dt) {
+    return (const char *)cache + elem * (dt == KV_F32 ? 4 : 2);
+}
+
 /* q . rows[r] + off for four key rows at once (D % 8 == 0), times scale: the block both
  * score loops use, so their arithmetic is one and the same. */
-static inline __m128 dot4_scaled(const float *q, const float *const rows[4], int64_t off,
-                                 int64_t D, float scale) {
+static inline __m128 dot4_scaled(const float *q, const void *const rows[4], int64_t off,
+                                 int64_t D, float scale, int dt) {
     __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
     __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
         __m256 x = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[0] + off + d), a0);
-        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[1] + off + d), a1);
-        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[2] + off + d), a2);
-        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[3] + off + d), a3);
+        a0 = _mm256_fmadd_ps(x, kv_load8(rows[0], off + d, dt), a0);
+        a1 = _mm256_fmadd_ps(x, kv_load8(rows[1], off + d, dt), a1);
+        a2 = _mm256_fmadd_ps(x, kv_load8(rows[2], off + d, dt), a2);
+        a3 = _mm256_fmadd_ps(x, kv_load8(rows[3], off + d, dt), a3);
     }
     return _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale));
 }
 
-/* Scores of G query heads (sharing one KV head) against n keys, float32 cache, D % 16 == 0.
- * Each key row is loaded once for all G heads; four keys are reduced together. */
-static void scores_f32(const float *qv, int64_t G, int64_t D, const float *k_cache,
-                       const int64_t *table, int64_t bs, int64_t Hkv, int64_t kvh,
-                       int64_t first, int64_t n, float scale, float *scores /* [G][n] */) {
+/* Scores of G query heads (sharing one KV head) against n keys, float cache (f32 / f16 /
+ * bf16: dt), D % 16 == 0. Each key row is loaded once for all G heads; four keys are
+ * reduced together. */
+static void scores_kv(const float *qv, int64_t G, int64_t D, const void *k_cache, int dt,
+                      const int64_t *table, int64_t bs, int64_t Hkv, int64_t kvh,
+                      int64_t first, int64_t n, float scale, float *scores /* [G][n] */) {
+    const int64_t row_bytes = D * (dt == KV_F32 ? 4 : 2);
     int64_t blk = first / bs, off = first % bs;
     /* a second cursor ATT_PF keys ahead prefetches rows: keys of one head are strided by
-     * Hkv * D floats, a pattern the hardware prefetchers follow poorly */
+     * Hkv * D values, a pattern the hardware prefetchers follow poorly */
     int64_t pf_pos = first, pf_blk = blk, pf_off = off;
     const int64_t pf_end = first + n;
     for (int k = 0; k < ATT_PF && pf_pos < pf_end; k++, pf_pos++)
         if (++pf_off == bs) { pf_off = 0; pf_blk++; }
-    const float *rows[4];
+    const void *rows[4];
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
         for (int r = 0; r < 4; r++) {
-            rows[r] = k_cache + ((table[blk] * bs + off) * Hkv + kvh) * D;
+            rows[r] = kv_at(k_cache, ((table[blk] * bs + off) * Hkv + kvh) * D, dt);
             if (++off == bs) { off = 0; blk++; }
             if (pf_pos < pf_end) {
-                prefetch_row(k_cache + ((table[pf_blk] * bs + pf_off) * Hkv + kvh) * D, D);
+                prefetch_bytes(kv_at(k_cache, ((table[pf_blk] * bs + pf_off) * Hkv + kvh) * D, dt),
+                               row_bytes);
                 pf_pos++;
                 if (++pf_off == bs) { pf_off = 0; pf_blk++; }
             }
         }
         for (int64_t g = 0; g < G; g++)
-            _mm_storeu_ps(scores + g * n + j, dot4_scaled(qv + g * D, rows, 0, D, scale));
+            _mm_storeu_ps(scores + g * n + j, dot4_scaled(qv + g * D, rows, 0, D, scale, dt));
     }
     for (; j < n; j++) {
-        const float *row = k_cache + ((table[blk] * bs + off) * Hkv + kvh) * D;
+        const void *row = kv_at(k_cache, ((table[blk] * bs + off) * Hkv + kvh) * D, dt);
         if (++off == bs) { off = 0; blk++; }
-        for (int64_t g = 0; g < G; g++) scores[g * n + j] = dot(qv + g * D, row, D) * scale;
+        for (int64_t g = 0; g < G; g++) scores[g * n + j] = dot_kv(qv + g * D, row, D, dt) * scale;
     }
 }
 
-/* out_g = sum_j p[g][j] V_j for G heads, float32 cache, D % 32 == 0: 32 output floats per
- * head stay in registers across all keys, each V chunk is loaded once for all heads. */
-static void weighted_values_f32(const float *p, int64_t G, int64_t D, const float *v_cache,
-                                const int64_t *table, int64_t bs, int64_t Hkv, int64_t kvh,
-                                int64_t first, int64_t n, float *out, int64_t out_stride) {
+/* out_g = sum_j p[g][j] V_j for G heads, float cache (dt), D % 32 == 0: 32 output floats
+ * per head stay in registers across all keys, each V chunk is loaded once for all heads. */
+static void weighted_values_kv(const float *p, int64_t G, int64_t D, const void *v_cache, int dt,
+                               const int64_t *table, int64_t bs, int64_t Hkv, int64_t kvh,
+                               int64_t first, int64_t n, float *out, int64_t out_stride) {
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
         for (int64_t g0 = 0; g0 < G; g0 += 2) {   /* two heads: 8 accumulators + 4 loads */
             const int64_t gn = G - g0 < 2 ? G - g0 : 2;
@@ -77,17 +89,16 @@ static void weighted_values_f32(const float *p, int64_t G, int64_t D, const floa
             for (int k = 0; k < ATT_PF && pf_pos < first + n; k++, pf_pos++)
                 if (++pf_off == bs) { pf_off = 0; pf_blk++; }
             for (int64_t j = 0; j < n; j++) {
-                const float *row = v_cache + ((table[blk] * bs + off) * Hkv + kvh) * D + d0;
+                const void *row = kv_at(v_cache, ((table[blk] * bs + off) * Hkv + kvh) * D + d0, dt);
                 if (++off == bs) { off = 0; blk++; }
                 if (pf_pos < first + n) {
-                    const float *ahead = v_cache + ((table[pf_blk] * bs + pf_off) * Hkv + kvh) * D + d0;
-                    _mm_prefetch((const char *)ahead, _MM_HINT_T0);
-                    _mm_prefetch((const char *)(ahead + 16), _MM_HINT_T0);
+                    prefetch_bytes(kv_at(v_cache, ((table[pf_blk] * bs + pf_off) * Hkv + kvh) * D + d0, dt),
+                                   32 * (dt == KV_F32 ? 4 : 2));
                     pf_pos++;
                     if (++pf_off == bs) { pf_off = 0; pf_blk++; }
                 }
-                __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8);
-                __m256 v2 = _mm256_loadu_ps(row + 16), v3 = _mm256_loadu_ps(row + 24);
+                __m256 v0 = kv_load8(row, 0, dt), v1 = kv_load8(row, 8, dt);
+                __m256 v2 = kv_load8(row, 16, dt), v3 = kv_load8(row, 24, dt);
                 for (int64_t g = 0; g < gn; g++) {
                     __m256 w = _mm256_set1_ps(p[(g0 + g) * n + j]);
                     acc[g][0] = _mm256_fmadd_ps(w, v0, acc[g][0]);
@@ -130,27 +141,27 @@ static void softmax_rows(float *scores, int64_t G, int64_t n, float *row_max, fl
  * partial result over this run of keys, for merging (attend_split): o = unnormalized
  * sum_j exp(s_j - max) v_j, part_max / part_sum = each head's max score and sum of exps. */
 static void attend(const float *qv, int64_t G, int64_t D, const void *k_cache, const void *v_cache,
-                   const float *k_scale, const float *v_scale, const int64_t *table, int64_t bs,
-                   int64_t Hkv, int64_t kvh, int64_t first, int64_t n, float scale, float *o,
-                   float *scores, float *part_max, float *part_sum) {
+                   const float *k_scale, const float *v_scale, int dt, const int64_t *table,
+                   int64_t bs, int64_t Hkv, int64_t kvh, int64_t first, int64_t n, float scale,
+                   float *o, float *scores, float *part_max, float *part_sum) {
     float mx[ATT_MAX_G], sm[ATT_MAX_G];
-    const int fast = !k_scale && !v_scale && D % 32 == 0;
+    const int fast = dt != KV_I8 && D % 32 == 0;
     if (fast) {
-        scores_f32(qv, G, D, (const float *)k_cache, table, bs, Hkv, kvh, first, n, scale, scores);
+        scores_kv(qv, G, D, k_cache, dt, table, bs, Hkv, kvh, first, n, scale, scores);
     } else {
         int64_t blk = first / bs, off = first % bs;
         for (int64_t j = 0; j < n; j++) {
             const int64_t slot = (table[blk] * bs + off) * Hkv + kvh;
             if (++off == bs) { off = 0; blk++; }
             for (int64_t g = 0; g < G; g++)
-                scores[g * n + j] = k_scale
+                scores[g * n + j] = dt == KV_I8
                     ? dot_i8(qv + g * D, (const int8_t *)k_cache + slot * D, D) * (k_scale[slot] * scale)
-                    : dot(qv + g * D, (const float *)k_cache + slot * D, D) * scale;
+                    : dot_kv(qv + g * D, kv_at(k_cache, slot * D, dt), D, dt) * scale;
         }
     }
     softmax_rows(scores, G, n, mx, sm);
     if (fast) {
-        weighted_values_f32(scores, G, D, (const float *)v_cache, table, bs, Hkv, kvh, first, n, o, D);
+        weighted_values_kv(scores, G, D, v_cache, dt, table, bs, Hkv, kvh, first, n, o, D);
     } else {
         for (int64_t g = 0; g < G; g++) memset(o + g * D, 0, sizeof(float) * (size_t)D);
         int64_t blk = first / bs, off = first % bs;
@@ -158,8 +169,8 @@ static void attend(const float *qv, int64_t G, int64_t D, const void *k_cache, c
             const int64_t slot = (table[blk] * bs + off) * Hkv + kvh;
             if (++off == bs) { off = 0; blk++; }
             for (int64_t g = 0; g < G; g++) {
-                if (v_scale) axpy_i8(scores[g * n + j] * v_scale[slot], (const int8_t *)v_cache + slot * D, o + g * D, D);
-                else axpy(scores[g * n + j], (const float *)v_cache + slot * D, o + g * D, D);
+                if (dt == KV_I8) axpy_i8(scores[g * n + j] * v_scale[slot], (const int8_t *)v_cache + slot * D, o + g * D, D);
+                else axpy_kv(scores[g * n + j], kv_at(v_cache, slot * D, dt), o + g * D, D, dt);
             }
         }
     }
@@ -211,10 +222,11 @@ static void attend_heads_f32(const float *qv, int64_t Hq, int64_t Hkv, int64_t D
     slot_walk keys = walk_from(first, n, bs);
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
-        const float *rows[4];
+        const void *rows[4];
         for (int r = 0; r < 4; r++) rows[r] = walk_next(&keys, k_cache, table, bs, row_len);
         for (int64_t h = 0; h < Hq; h++)
-            _mm_storeu_ps(scores + h * n + j, dot4_scaled(qv + h * D, rows, (h / group) * D, D, scale));
+            _mm_storeu_ps(scores + h * n + j,
+                          dot4_scaled(qv + h * D, rows, (h / group) * D, D, scale, KV_F32));
     }
     for (; j < n; j++) {
         const float *row = walk_next(&keys, k_cache, table, bs, row_len);
@@ -244,7 +256,7 @@ static void attend_heads_f32(const float *qv, int64_t Hq, int64_t Hkv, int64_t D
  * contiguous stretch of each block: sequential reads, each K/V row read once), and the
  * partial results merge with the usual max rescaling. Returns nonzero if out of memory. */
 static int attend_split(const float *qv, int64_t Hq, int64_t D, const void *k_cache,
-                        const void *v_cache, const float *k_scale, const float *v_scale,
+                        const void *v_cache, const float *k_scale, const float *v_scale, int dt,
                         const int64_t *table, int64_t bs, int64_t Hkv, int64_t first, int64_t n,
                         float scale, float *o, int nthreads) {
     const int64_t group = Hq / Hkv, S = nthreads;
@@ -264,8 +276,8 @@ static int attend_split(const float *qv, int64_t Hq, int64_t D, const void *k_ca
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
             const int64_t h0 = kvh * group;
             if (hi > lo)
-                attend(qv + h0 * D, group, D, k_cache, v_cache, k_scale, v_scale, table, bs, Hkv,
-                       kvh, lo, hi - lo, scale, part + (s * Hq + h0) * D, scores,
+                attend(qv + h0 * D, group, D, k_cache, v_cache, k_scale, v_scale, dt, table, bs,
+                       Hkv, kvh, lo, hi - lo, scale, part + (s * Hq + h0) * D, scores,
                        pmax + s * Hq + h0, psum + s * Hq + h0);
             else
                 for (int64_t g = 0; g < group; g++) {   /* an empty run adds nothing */
@@ -300,14 +312,15 @@ static int attend_split(const float *qv, int64_t Hq, int64_t D, const void *k_ca
  * whole GQA group when there are enough tasks, else one head); all of that request's
  * query tokens.
  * q [T, Hq, D] with q_stride floats between tokens, out [T, Hq, D] contiguous; caches
- * float32, or int8 with a float scale per slot per KV head (k_scale / v_scale non-NULL:
- * value = scale[block, offset, head] * int8); [num_blocks, bs, Hkv, D]; block_tables [B, bt_stride];
+ * [num_blocks, bs, Hkv, D] of dt: KV_F32, KV_F16, KV_BF16, or KV_I8 with a float scale per
+ * slot per KV head (k_scale / v_scale: value = scale[block, offset, head] * int8);
+ * block_tables [B, bt_stride];
  * request b has query rows q_start[b] .. q_start[b] + q_len[b] - 1 at positions
  * seq_len[b] - q_len[b] + i, each attending to keys at positions <= its own and
  * > position - window (window <= 0: no window). Returns nonzero if a buffer could not be
  * allocated (out then undefined). */
 int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, const void *k_cache,
-                       const void *v_cache, const float *k_scale, const float *v_scale,
+                       const void *v_cache, const float *k_scale, const float *v_scale, int dt,
                        int64_t bs, int64_t Hkv, const int64_t *block_tables,
                        int64_t bt_stride, int64_t B, const int64_t *q_start, const int64_t *q_len,
                        const int64_t *seq_len, float scale, int64_t window, float *out,
@@ -315,7 +328,7 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
     const int64_t group = Hq / Hkv;
     /* enough requests to keep every thread busy with whole requests: one task per request,
      * all heads at once (sequential cache reads); float32 caches only */
-    const int all_heads = !k_scale && !v_scale && D % 32 == 0 && B >= 2 * nthreads;
+    const int all_heads = dt == KV_F32 && D % 32 == 0 && B >= 2 * nthreads;
     const int64_t G = all_heads ? Hq : (B * Hkv >= 2 * nthreads && group <= ATT_MAX_G) ? group : 1;
     const int64_t runs = Hq / G;   /* head runs per request */
     int64_t max_len = 1;
@@ -331,7 +344,7 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
                 for (int64_t i = 0; i < q_len[b] && !failed; i++) {
                     const int64_t row = q_start[b] + i, p = seq_len[b] - q_len[b] + i;
                     failed = attend_split(q + row * q_stride, Hq, D, k_cache, v_cache, k_scale,
-                                          v_scale, block_tables + b * bt_stride, bs, Hkv, 0,
+                                          v_scale, dt, block_tables + b * bt_stride, bs, Hkv, 0,
                                           p + 1, scale, out + row * Hq * D, nthreads);
                 }
             return failed;
@@ -360,7 +373,7 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
                                          scores + G * max_len);
                     else
                         attend(q + row * q_stride + h0 * D, G, D, k_cache, v_cache, k_scale, v_scale,
-                               table, bs, Hkv, kvh, first, p - first + 1, scale,
+                               dt, table, bs, Hkv, kvh, first, p - first + 1, scale,
                                out + (row * Hq + h0) * D, scores, NULL, NULL);
                 }
             }

@@ -15,8 +15,10 @@
  * perm: 0 or an int64 [K] input-column order, GPTQ act-order; tiled: 0 or the part's copy
  * for tm_qgemm_q8, which q8 steps take, as matmul.py does): the parts' outputs are
  * concatenated, as the Python linear methods do. linears holds L x 4 (qkv, o, gate_up,
- * down) such descriptors. k_scales / v_scales: NULL for float32 caches, else L addresses of
- * the per-slot scales of int8 caches (K/V quantized on write like kv_quant.quantize_kv).
+ * down) such descriptors. kv_dt: the caches' value type (KV_F32 / KV_F16 / KV_BF16, rows
+ * rounded on write like torch's .to(), or KV_I8); k_scales / v_scales: NULL for float
+ * caches, else L addresses of the per-slot scales of int8 caches (K/V quantized on write
+ * like kv_quant.quantize_kv).
  * scratch holds T * (2H + Q + Hq D + 3I + max(Q, 2I, H) + max(H, Hq D, I)) floats,
  * Q = (Hq + 2Hkv) D. q8: int8 / int4 linears take int8-rounded activations (tm_qmm_q8).
  * ffn_in: NULL, or [T, H] floats that receive rmsnorm(x) after attention instead of running
@@ -89,7 +91,7 @@ static void write_kv_i8(const float *v, int64_t Hkv, int64_t D, int8_t *dst, flo
 int tm_llama_decode(float *x, int64_t T, int64_t H, int64_t L,
                     const int64_t *ln1, const int64_t *ln2, const int64_t *linears,
                     const int64_t *k_caches, const int64_t *v_caches,
-                    const int64_t *k_scales, const int64_t *v_scales,
+                    const int64_t *k_scales, const int64_t *v_scales, int kv_dt,
                     int64_t Hq, int64_t Hkv, int64_t D, int64_t I, float eps,
                     const float *cos, const float *sin, const int64_t *pos,
                     const int64_t *slots, int64_t bs, const int64_t *block_tables,
@@ -115,11 +117,11 @@ int tm_llama_decode(float *x, int64_t T, int64_t H, int64_t L,
                 write_kv_i8(kr, Hkv, D, (int8_t *)kc + slots[t] * kv_row, ks + slots[t] * Hkv);
                 write_kv_i8(vr, Hkv, D, (int8_t *)vc + slots[t] * kv_row, vs + slots[t] * Hkv);
             } else {
-                memcpy((float *)kc + slots[t] * kv_row, kr, sizeof(float) * (size_t)kv_row);
-                memcpy((float *)vc + slots[t] * kv_row, vr, sizeof(float) * (size_t)kv_row);
+                kv_store_row(kr, (void *)kv_at(kc, slots[t] * kv_row, kv_dt), kv_row, kv_dt);
+                kv_store_row(vr, (void *)kv_at(vc, slots[t] * kv_row, kv_dt), kv_row, kv_dt);
             }
         }
-        if (tm_paged_attention(qkv, nqkv, Hq, D, kc, vc, ks, vs, bs, Hkv, block_tables,
+        if (tm_paged_attention(qkv, nqkv, Hq, D, kc, vc, ks, vs, kv_dt, bs, Hkv, block_tables,
                                bt_stride, B, q_start, q_len, seq_len, scale, 0, att, nthreads))
             return 1;
         if (dec_linear(lin + per_linear, att, T, Hq * D, H, h, tmp, xp, q8, nthreads)) return 2;

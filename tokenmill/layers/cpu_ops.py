@@ -155,16 +155,25 @@ def silu_mul(x: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 # -- paged attention of short query runs --------------------------------------------------
+# The kernels' KV value types (KV_F32 .. in cpu_simd.h) by cache dtype.
+KV_DTYPE_CODES = {torch.float32: 0, torch.int8: 1, torch.float16: 2, torch.bfloat16: 3}
+_FLOAT_KV = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _cache_parts(cache) -> tuple:
-    """(values, per-slot scales or None) of a float32 cache tensor or an int8 QuantizedKV;
-    (None, None) for anything the kernel does not read (fp8, other dtypes, other devices)."""
+    """(values, per-slot scales or None, KV_DTYPE_CODES code) of a float32 / float16 /
+    bfloat16 CPU cache tensor or an int8 QuantizedKV; (None, None, None) for anything the
+    kernel does not read (fp8, other dtypes, other devices)."""
     if isinstance(cache, torch.Tensor):
-        return (cache, None) if _ok(cache) and cache.is_contiguous() else (None, None)
+        if (cache.dtype in _FLOAT_KV and cache.device.type == "cpu" and cache.is_contiguous()
+                and not cache.is_meta):
+            return cache, None, KV_DTYPE_CODES[cache.dtype]
+        return None, None, None
     values, scale = getattr(cache, "values", None), getattr(cache, "scale", None)
     if (isinstance(values, torch.Tensor) and values.dtype is torch.int8 and values.device.type == "cpu"
             and values.is_contiguous() and _ok(scale) and scale.is_contiguous()):
-        return values, scale
-    return None, None
+        return values, scale, KV_DTYPE_CODES[torch.int8]
+    return None, None, None
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -175,9 +184,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     query rows q_start[b] + i sit at position seq_len[b] - q_len[b] + i and attend causally
     (and within the window) to the cache through block_tables [B, W] int64. Writes those
     rows of out [T, Hq, D]; False when not applicable (nothing written)."""
-    k_data, k_scale = _cache_parts(k_cache)
-    v_data, v_scale = _cache_parts(v_cache)
-    if not (available() and k_data is not None and v_data is not None and _ok(query, out)
+    k_data, k_scale, k_code = _cache_parts(k_cache)
+    v_data, v_scale, v_code = _cache_parts(v_cache)
+    if not (available() and k_data is not None and k_code == v_code and _ok(query, out)
             and query.stride(2) == 1 and query.stride(1) == query.shape[2] and out.is_contiguous()
             and block_tables.dtype == torch.int64 and block_tables.is_contiguous()
             and block_tables.device.type == "cpu"):
@@ -187,7 +196,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     failed = native.library().tm_paged_attention(
         query.data_ptr(), query.stride(0), hq, d, k_data.data_ptr(), v_data.data_ptr(),
         k_scale.data_ptr() if k_scale is not None else None,
-        v_scale.data_ptr() if v_scale is not None else None, bs, hkv,
+        v_scale.data_ptr() if v_scale is not None else None, k_code, bs, hkv,
         block_tables.data_ptr(), block_tables.shape[1], q_start.shape[0], q_start.data_ptr(),
         q_len.data_ptr(), seq_len.data_ptr(), scale,
         sliding_window if sliding_window is not None else 0, out.data_ptr(),

@@ -89,6 +89,70 @@ static inline void axpy_i8(float w, const int8_t *x, float *y, int64_t D) {
     for (; i < D; i++) y[i] += w * (float)x[i];
 }
 
+/* KV cache value types (tm_paged_attention's dt; cpu_ops.KV_DTYPE_CODES). */
+enum { KV_F32 = 0, KV_I8 = 1, KV_F16 = 2, KV_BF16 = 3 };
+
+/* 8 values of a float cache row from element i, widened to float32 (f16 by F16C; bf16 is
+ * the high half of a float32). */
+static inline __m256 kv_load8(const void *row, int64_t i, int dt) {
+    if (dt == KV_F32) return _mm256_loadu_ps((const float *)row + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + i));
+    if (dt == KV_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float kv_load1(const void *row, int64_t i, int dt) {
+    if (dt == KV_F32) return ((const float *)row)[i];
+    const uint16_t h = ((const uint16_t *)row)[i];
+    if (dt == KV_F16) return _cvtsh_ss(h);
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline float dot_kv(const float *a, const void *row, int64_t D, int dt) {
+    __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= D; i += 16) {
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), kv_load8(row, i, dt), acc);
+        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), kv_load8(row, i + 8, dt), acc2);
+    }
+    for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), kv_load8(row, i, dt), acc);
+    float s = hsum256(_mm256_add_ps(acc, acc2));
+    for (; i < D; i++) s += a[i] * kv_load1(row, i, dt);
+    return s;
+}
+
+static inline void axpy_kv(float w, const void *row, float *y, int64_t D, int dt) {
+    const __m256 vw = _mm256_set1_ps(w);
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vw, kv_load8(row, i, dt), _mm256_loadu_ps(y + i)));
+    for (; i < D; i++) y[i] += w * kv_load1(row, i, dt);
+}
+
+/* float32 -> f16 / bf16, rounded to nearest even as torch's .to() (bf16 NaN: 0x7fc0). */
+static inline void kv_store_row(const float *x, void *dst, int64_t n, int dt) {
+    if (dt == KV_F32) { memcpy(dst, x, sizeof(float) * (size_t)n); return; }
+    uint16_t *out = (uint16_t *)dst;
+    int64_t i = 0;
+    if (dt == KV_F16) {
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(out + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+        for (; i < n; i++) out[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+        return;
+    }
+    for (; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, x + i, sizeof bits);
+        if ((bits & 0x7fffffffu) > 0x7f800000u) { out[i] = 0x7fc0; continue; }
+        bits += 0x7fffu + ((bits >> 16) & 1u);
+        out[i] = (uint16_t)(bits >> 16);
+    }
+}
+
 /* 4 horizontal sums at once: lane i of the result = sum of the 8 lanes of argument i. */
 static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));

@@ -16,7 +16,7 @@ _BLOCK_COLS = 1024   # columns per program of the activation kernels
 
 
 @triton.jit
-def _round(x, dtype: tl.constexpr):
+def round_to(x, dtype: tl.constexpr):
     """fp32 ``x`` rounded to nearest-even in ``dtype``, as torch rounds. Done by hand for
     bf16 because the interpreter truncates an fp32 -> bf16 cast (a GPU rounds): the bit
     trick gives the same answer in both, so interpreter tests are bit-exact."""
@@ -43,14 +43,14 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride_r
         # torch adds residual + update in fp32 and rounds to the stream's dtype; the norm
         # then reads that rounded sum
         res = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0).to(tl.float32)
-        total = _round(res + x, sum_ptr.dtype.element_ty)
+        total = round_to(res + x, sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * stride_sum + cols, total, mask=ok)
         x = total.to(tl.float32)
     inv_rms = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / n_cols + eps)   # IEEE sqrt, as torch.rsqrt
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     if GEMMA:
         w = 1.0 + w        # Gemma stores weight - 1
-    out = _round(w * (x * inv_rms), out_ptr.dtype.element_ty)   # the module's product order
+    out = round_to(w * (x * inv_rms), out_ptr.dtype.element_ty)   # the module's product order
     tl.store(out_ptr + row * stride_out + cols, out, mask=ok)
 
 
@@ -94,7 +94,7 @@ def _gated_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constex
     # sigmoid from e = exp(-|s|) <= 1: exp never overflows (the interpreter would warn too)
     e = tl.exp(-tl.abs(s))
     act = gate * (tl.where(s >= 0, 1.0, e) / (1.0 + e))
-    tl.store(out_ptr + row * stride_out + cols, _round(act * up, out_ptr.dtype.element_ty),
+    tl.store(out_ptr + row * stride_out + cols, round_to(act * up, out_ptr.dtype.element_ty),
              mask=ok)
 
 
@@ -145,8 +145,8 @@ def _rope_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, stride_qt, stride_qh, 
     sin1 = tl.load(sin_ptr + table + i, mask=ok, other=0.0)
     sin2 = tl.load(sin_ptr + table + HALF + i, mask=ok, other=0.0)
     out_ty = ptr.dtype.element_ty
-    tl.store(ptr + i, _round(x1 * cos1 - x2 * sin1, out_ty), mask=ok)
-    tl.store(ptr + HALF + i, _round(x2 * cos2 + x1 * sin2, out_ty), mask=ok)
+    tl.store(ptr + i, round_to(x1 * cos1 - x2 * sin1, out_ty), mask=ok)
+    tl.store(ptr + HALF + i, round_to(x2 * cos2 + x1 * sin2, out_ty), mask=ok)
 
 
 def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

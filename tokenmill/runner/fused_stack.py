@@ -127,20 +127,21 @@ class _StackPlan:
         return not any(self.hook_dicts)
 
     def cache_ptrs(self, kv_caches: list) -> Optional[tuple]:
-        """(k, v, k scales or None, v scales or None) address arrays; None for caches the C
-        path does not write (float32 and int8 are supported)."""
+        """(k, v, k scales or None, v scales or None, value type code) address arrays; None
+        for caches the C path does not write (float32 / float16 / bfloat16 and int8 are)."""
         if len(kv_caches) != len(self._caches) or any(
                 a is not b for pair, old in zip(kv_caches, self._caches) for a, b in zip(pair, old)):
-            # the attention kernel's reader: float32 caches, or int8 with per-slot scales
+            # the attention kernel's reader: float caches, or int8 with per-slot scales
             parts = [cpu_ops._cache_parts(c) for pair in kv_caches for c in pair]
-            if any(p[0] is None for p in parts) or len({p[1] is None for p in parts}) != 1:
+            if any(p[0] is None for p in parts) or len({p[2] for p in parts}) != 1:
                 return None
             def addresses(items):
                 return torch.tensor([t.data_ptr() for t in items], dtype=torch.int64)
             values, scales = [p[0] for p in parts], [p[1] for p in parts]
             self._ptrs = (addresses(values[0::2]), addresses(values[1::2]),
                           None if scales[0] is None else addresses(scales[0::2]),
-                          None if scales[0] is None else addresses(scales[1::2]))
+                          None if scales[0] is None else addresses(scales[1::2]),
+                          parts[0][2])
             self.block_size = values[0].shape[1]
             self._caches = [tuple(pair) for pair in kv_caches]   # referenced: addresses stay valid
         return self._ptrs
@@ -259,7 +260,7 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
     q_len = torch.tensor(meta.query_lens, dtype=torch.int64)
     seq_len = meta.seq_lens.contiguous()
     slots = meta.slot_mapping.contiguous()
-    kc, vc, ks, vs = caches
+    kc, vc, ks, vs, kv_code = caches
 
     def call(first: int, count: int, ffn_in) -> None:
         def at(addresses):   # the address array from layer ``first`` on
@@ -267,7 +268,7 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
         failed = native.library().tm_llama_decode(
             x.data_ptr(), t, h, count, at(plan.ln1), at(plan.ln2),
             plan.linears.data_ptr() + 8 * first * 4 * DEC_PARTS * DEC_FIELDS, at(kc), at(vc),
-            at(ks), at(vs), hq, hkv, d, i, plan.eps,
+            at(ks), at(vs), kv_code, hq, hkv, d, i, plan.eps,
             plan.rotary.cos.data_ptr(), plan.rotary.sin.data_ptr(), positions.data_ptr(),
             slots.data_ptr(), plan.block_size, tables.data_ptr(), tables.shape[1],
             len(meta.query_lens), q_start.data_ptr(), q_len.data_ptr(), seq_len.data_ptr(),

@@ -13,11 +13,14 @@ from tokenmill.layers.attention.kv_quant import QuantizedKV, is_quantized_kv_dty
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3
 
 
-_KV_STORAGE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+_KV_STORAGE = {"fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
+               "bfloat16": torch.bfloat16, "int8": torch.int8, "fp8": torch.float8_e4m3fn,
+               "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """What the cache stores: the model dtype for "auto", else the quantized dtype."""
+    """What the cache stores: the model dtype for "auto", else the named (half-precision or
+    quantized) dtype."""
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype not in _KV_STORAGE:

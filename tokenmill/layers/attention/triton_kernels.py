@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.triton_ops import round_to
+
 _QUANT_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 _TINY = torch.finfo(torch.float32).tiny   # the scale floor of kv_quant.quantize_kv
@@ -70,8 +72,8 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, 
 @triton.jit
 def _store_kv_row(x, dst_ptr, scale_ptr, d_ok, QUANT: tl.constexpr, QMAX: tl.constexpr,
                   TINY: tl.constexpr):
-    if QUANT == 0:
-        tl.store(dst_ptr, x.to(dst_ptr.dtype.element_ty), mask=d_ok)
+    if QUANT == 0:   # rounded to nearest even, as torch's write, also in the interpreter
+        tl.store(dst_ptr, round_to(x.to(tl.float32), dst_ptr.dtype.element_ty), mask=d_ok)
     else:
         # Same arithmetic as kv_quant.quantize_kv: IEEE divisions, clamp, then int8 rounds
         # half to even (torch's rule) and fp8 converts with round-to-nearest-even.
