@@ -69,13 +69,15 @@ def test_bench_quant_takes_checkpoints_and_kv_schemes(tiny_llama_dir, tmp_path):
     written = _quantize_tensors(args, dict(source.iter_tensors()), linear_prefixes(model), None, model)
     writer.write_checkpoint(ckpt, source.hf_config, written, writer.quantization_config("rtn", 4, 32))
     out = tmp_path / "q.json"
-    rc = main(["bench", "quant", "--model", tiny_llama_dir, "--schemes", f"none,{ckpt},kv:int8,int8:q8",
+    rc = main(["bench", "quant", "--model", tiny_llama_dir,
+               "--schemes", f"none,{ckpt},kv:int8,kv:bf16,int8:q8",
                "--batch-sizes", "1", "--prompt-len", "4", "--prefill-len", "8", "--steps", "2",
                "--json", str(out), "--output-dir", ""])
     assert rc == 0
     schemes = json.loads(out.read_text())["schemes"]
-    assert set(schemes) == {"none", "rtn4", "kv:int8", "int8:q8"}
+    assert set(schemes) == {"none", "rtn4", "kv:int8", "kv:bf16", "int8:q8"}
     assert schemes["int8:q8"]["weight_bytes"] < schemes["none"]["weight_bytes"]
     assert schemes["rtn4"]["weight_bytes"] < schemes["none"]["weight_bytes"]
     assert schemes["kv:int8"]["weight_bytes"] == schemes["none"]["weight_bytes"]
-    assert all(row["decode_b1_tok_s"] > 0 and row["prefill_tok_s"] > 0 for row in schemes.values())
+    assert all(row["decode_b1_tok_s"] > 0 and row["prefill_tok_s"] > 0
+               and row["decode_b1_x_floor"] > 0 for row in schemes.values())

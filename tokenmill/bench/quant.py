@@ -26,7 +26,8 @@ def _args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schemes", default="none,int8,int4,gguf",
                    help="comma list of: quantization values ('none' is the fp32 baseline), "
                         "quantized checkpoint directories (written by `tokenmill quantize`), "
-                        "kv:int8 / kv:fp8 (fp32 weights, quantized KV cache); a ':q8' suffix "
+                        "kv:bf16 / kv:fp16 / kv:int8 / kv:fp8 (fp32 weights, that KV cache); "
+                        "a ':q8' suffix "
                         "runs a scheme with q8 activations (e.g. gguf:q8, int4-g32:q8)")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -51,14 +52,22 @@ def scheme_settings(scheme: str, model: str) -> dict:
 def _engines(args) -> dict:
     from tokenmill import LLM
     engines = {}
+    max_batch = max(int(b) for b in args.batch_sizes.split(","))
+    # every decode request of the largest batch fits at once (long --prompt-len too)
+    num_blocks = max(512, -(-max_batch * (args.prompt_len + args.steps + 24) // 16) + 16)
     for scheme in args.schemes.split(","):
         llm = LLM(**scheme_settings(scheme, args.model),
-                  num_threads=args.num_threads, skip_tokenizer_init=True, num_kv_blocks=512,
+                  num_threads=args.num_threads, skip_tokenizer_init=True,
+                  num_kv_blocks=num_blocks,
                   max_model_len=max(args.prefill_len, args.prompt_len + args.steps + 8) + 16,
-                  max_num_batched_tokens=max(args.prefill_len, 256) + 16,
+                  max_num_batched_tokens=_max_batched_tokens(args),
                   enable_prefix_caching=False)
         engines[os.path.basename(scheme.rstrip("/")) if os.path.isdir(scheme) else scheme] = llm.engine
     return engines
+
+
+def _max_batched_tokens(args) -> int:
+    return max(args.prefill_len, args.prompt_len, 256) + 16
 
 
 def _decode(engines: dict, batch: int, args) -> dict:
@@ -69,7 +78,8 @@ def _decode(engines: dict, batch: int, args) -> dict:
         vocab = engine.model.args.vocab_size
         for prompt in random_prompts(batch, args.prompt_len, vocab, seed=batch):
             engine.add_request(None, prompt, params)
-        for _ in range(3):        # prefill (one step covers it) + warm-up decode steps
+        prefill_steps = -(-batch * args.prompt_len // _max_batched_tokens(args))
+        for _ in range(prefill_steps + 2):   # the prompts' prefill, then warm-up decode steps
             engine.step()
     times = {name: [] for name in engines}
     for _ in range(args.steps):
@@ -114,8 +124,11 @@ def run(args) -> int:
         bar.update()
         base = step.get("none")
         for name, s in step.items():
-            row = result["schemes"][name]
+            row, engine = result["schemes"][name], engines[name]
             row[f"decode_b{batch}_tok_s"] = round(batch / s, 1)
+            # weights once, plus every request's cached K/V at its context (~prompt_len)
+            floor_bytes = engine.weight_bytes + batch * args.prompt_len * engine.kv_bytes_per_token
+            row[f"decode_b{batch}_x_floor"] = round(s / (floor_bytes / (bandwidth * 1e9)), 2)
             if base:
                 row[f"decode_b{batch}_x_fp32"] = round(base / s, 2)
     prefill = _prefill(engines, args)
