@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("triton")
 
 from tokenmill.layers.linear import Linear  # noqa: E402
-from tokenmill.layers.quant import formats  # noqa: E402
+from tokenmill.layers.quant import formats, triton_gemm  # noqa: E402
 from tokenmill.layers.quant.matmul import reference_linear  # noqa: E402
 from tokenmill.layers.quant.methods import FP8Method, Int4Method, Int8Method  # noqa: E402
 from tokenmill.layers.quant.triton_gemm import (fp8_linear, fp8_scaled_mm_applies,  # noqa: E402
@@ -40,7 +40,7 @@ def _check(p, x, device, rtol=1e-5):
 
 
 @pytest.mark.parametrize("kind, group", [("i8", 0), ("f8", 0), ("i4", 32), ("i4", 64)])
-@pytest.mark.parametrize("m", [1, 17])
+@pytest.mark.parametrize("m", [1, 3, 17])
 def test_matches_the_reference(triton_device, kind, group, m):
     p = _weights(kind, 40, 128, group)       # N = 40: a partial output tile
     x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))
@@ -58,13 +58,27 @@ def test_half_precision_scales_and_act_order(triton_device):
     _check(p, torch.randn(2, 3, 64), triton_device)    # a leading batch dim too
 
 
-def test_bf16_activations(triton_device):
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 3e-2), (torch.float16, 4e-3)])
+def test_half_precision_activations(triton_device, dtype, tol):
     p = _weights("i4", 48, 64, 32)
-    x = torch.randn(5, 64).bfloat16()
+    x = torch.randn(5, 64).to(dtype)
     want = reference_linear(x.float(), p)
     got = triton_packed_linear(x.to(triton_device), _on(p, triton_device)).cpu()
-    # the weight tile is rounded to bf16 for the dot: bf16's 8 bits of precision
-    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
+    # the weight tile is rounded to x's dtype for the dot (bf16: 8 bits, fp16: 11 bits)
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_every_e4m3_byte_decodes_exactly(triton_device, monkeypatch, native):
+    # native: Triton's fp8 type (sm_89+, interpreter); else the bit decode of older GPUs
+    monkeypatch.setattr(triton_gemm, "_fp8_native", lambda device: native)
+    q = torch.arange(256, dtype=torch.int32)
+    q[(q == 0x7F) | (q == 0xFF)] = 0          # the two NaNs are never stored
+    q = q.to(torch.uint8).reshape(16, 16)
+    p = formats.Packed("f8", q, torch.ones(16, 1), None, 16, 16, 16)
+    eye = torch.eye(16, device=triton_device)    # y = x W^T with x = I gives W^T
+    got = packed_linear_triton(eye, _on(p, triton_device)).cpu()
+    torch.testing.assert_close(got, q.view(torch.float8_e4m3fn).float().t(), rtol=0, atol=0)
 
 
 def test_no_rows_and_a_wrong_width(triton_device):
@@ -98,6 +112,17 @@ def test_linear_methods_with_the_triton_switch(triton_device, method):
 def test_fp8_tensor_cores_are_not_used_off_gpu():
     p = _weights("f8", 32, 64)
     assert not fp8_scaled_mm_applies(torch.randn(2, 64).bfloat16(), p)
+
+
+def test_fp8_linear_arithmetic_on_cpu():
+    # torch's CPU _scaled_mm takes the same row-wise scales: checks the quantization and
+    # the operands' layout (a transposed x included) where there are no FP8 tensor cores
+    p = _weights("f8", 48, 64)
+    x = torch.randn(64, 5).bfloat16().t()
+    got = fp8_linear(x, p)
+    assert got.dtype == torch.bfloat16 and got.shape == (5, 48)
+    want = reference_linear(x.float(), p)
+    assert (got.float() - want).norm() / want.norm() < 0.05
 
 
 @pytest.mark.cuda

@@ -152,6 +152,10 @@ def _check_cache(k_cache, v_cache, k_scale, v_scale) -> None:
         raise ValueError("an int8 / fp8 KV cache needs its scales, a float one none")
     if quantized and not (k_scale.is_contiguous() and v_scale.is_contiguous()):
         raise ValueError("KV cache scales must be contiguous")
+    if (k_cache.dtype == torch.float8_e4m3fn and k_cache.is_cuda
+            and torch.cuda.get_device_capability(k_cache.device) < (8, 9)):
+        raise ValueError("an fp8 KV cache on the Triton backend needs a GPU of compute "
+                         "capability 8.9+ (Ada, Hopper); use kv_cache_dtype='int8'")
 
 
 def _block_d(head_dim: int) -> int:

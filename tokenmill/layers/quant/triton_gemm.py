@@ -20,8 +20,23 @@ _MIN_FP8_SCALE = 1e-12
 
 
 @triton.jit
+def _e4m3_to_f32(raw):
+    """E4M3 bytes to fp32 from their bits, for GPUs without the fp8 type (before sm_89):
+    sign, 4-bit exponent (bias 7), 3-bit mantissa; exponent 0 is subnormal. Every step is
+    exact in fp32. NaN (0x7f / 0xff) is never stored (quantizers clamp to +-448)."""
+    b = raw.to(tl.int32)
+    e = (b >> 3) & 0xF
+    m = b & 0x7
+    mant = tl.where(e == 0, m, m + 8).to(tl.float32)   # normal numbers' implicit leading 1
+    pow2 = ((tl.maximum(e, 1) + 117) << 23).to(tl.float32, bitcast=True)   # 2^(max(e,1)-10)
+    mag = mant * pow2
+    return tl.where((b & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
 def _weight_tile(w_ptr, s_ptr, mins_ptr, rn, k0, rk, n_ok, k_ok, stride_wn, stride_sn,
-                 GROUP: tl.constexpr, KIND: tl.constexpr, HAS_MINS: tl.constexpr):
+                 GROUP: tl.constexpr, KIND: tl.constexpr, HAS_MINS: tl.constexpr,
+                 FP8_NATIVE: tl.constexpr):
     """W[rn, rk] dequantized to fp32, [BLOCK_N, BLOCK_K]; the tile lies in one group."""
     mask = n_ok[:, None] & k_ok[None, :]
     if KIND == 1:
@@ -31,7 +46,10 @@ def _weight_tile(w_ptr, s_ptr, mins_ptr, rn, k0, rk, n_ok, k_ok, stride_wn, stri
         q = ((packed.to(tl.int32) >> (4 * ((rk % 32) // 16))[None, :]) & 0xF).to(tl.float32)
     elif KIND == 2:
         raw = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=mask, other=0)
-        q = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if FP8_NATIVE:
+            q = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            q = _e4m3_to_f32(raw)
     else:
         q = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=mask,
                     other=0).to(tl.float32)
@@ -48,10 +66,13 @@ def _packed_gemm_kernel(x_ptr, w_ptr, s_ptr, mins_ptr, out_ptr, M, N, stride_xm,
                         stride_sn, stride_om, K: tl.constexpr, GROUP: tl.constexpr,
                         KIND: tl.constexpr, HAS_MINS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                        DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                        FP8_NATIVE: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = rm < M, rn < N
+    # int64 row offsets: rows x strides pass 2^31 (a 256k-vocab head's N x K, many-token M x N)
+    rm, rn = rm.to(tl.int64), rn.to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):   # K is a constexpr: a loop the compiler can pipeline
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -59,7 +80,7 @@ def _packed_gemm_kernel(x_ptr, w_ptr, s_ptr, mins_ptr, out_ptr, M, N, stride_xm,
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = _weight_tile(w_ptr, s_ptr, mins_ptr, rn, k0, rk, n_ok, k_ok, stride_wn, stride_sn,
-                         GROUP, KIND, HAS_MINS).to(x.dtype)
+                         GROUP, KIND, HAS_MINS, FP8_NATIVE).to(x.dtype)
         if UPCAST:   # the interpreter's dot reads bf16 / fp16 operands as raw integers
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
@@ -96,8 +117,13 @@ def packed_linear_triton(x2: torch.Tensor, p: Packed) -> torch.Tensor:
         K=k, GROUP=p.group_size, KIND=_KIND_CODES[p.kind], HAS_MINS=p.mins is not None,
         BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=_block_k(p),
         DOT_PREC="ieee" if x2.dtype == torch.float32 else "tf32",
-        UPCAST=x2.device.type != "cuda")
+        UPCAST=x2.device.type != "cuda", FP8_NATIVE=_fp8_native(x2.device))
     return out
+
+
+def _fp8_native(device: torch.device) -> bool:
+    """Whether Triton has the e4m3 type there: sm_89+ GPUs, and the interpreter."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def fp8_scaled_mm_applies(x2: torch.Tensor, p: Packed) -> bool:
@@ -112,6 +138,7 @@ def fp8_scaled_mm_applies(x2: torch.Tensor, p: Packed) -> bool:
 def fp8_linear(x2: torch.Tensor, p: Packed) -> torch.Tensor:
     """x2 [M, K] -> [M, N] in x2's dtype: activations quantized to E4M3 per row (dynamic
     scale amax / 448), one FP8 GEMM with the row and column scales applied in its epilogue."""
+    x2 = x2.contiguous()   # _scaled_mm's first operand must be row-major (so xq is too)
     x_scale = (x2.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_FP8_SCALE)
     xq = (x2.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(_FP8)
     w = p.qweight.view(_FP8)   # [N, K] row-major: its transpose is the column-major operand
