@@ -8,10 +8,6 @@
 #define ATT_PF 8      /* keys of look-ahead for software prefetch */
 #define ATT_SPLIT_MIN 32   /* keys per thread before a row's keys are split across threads */
 
-static inline void prefetch_row(const float *row, int64_t D) {
-    for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char *)(row + d), _MM_HINT_T0);
-}
-
 static inline void prefetch_bytes(const void *p, int64_t nbytes) {
     for (int64_t b = 0; b < nbytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
 }
@@ -185,7 +181,7 @@ static void attend(const float *qv, int64_t G, int64_t D, const void *k_cache, c
 }
 
 /* Walks the keys first, first + 1, .. of a run through a block table, one slot row of
- * row_len floats each, prefetching the row ATT_PF keys ahead while inside the run (the
+ * row_len values each, prefetching the row ATT_PF keys ahead while inside the run (the
  * loads wait on cache misses otherwise: each key's row is a new stretch of the cache). */
 typedef struct { int64_t blk, off, pf, pf_blk, pf_off, end; } slot_walk;
 
@@ -196,70 +192,92 @@ static inline slot_walk walk_from(int64_t first, int64_t n, int64_t bs) {
     return w;
 }
 
-/* The current key's row; steps to the next key. */
-static inline const float *walk_next(slot_walk *w, const float *cache, const int64_t *table,
-                                     int64_t bs, int64_t row_len) {
-    const float *row = cache + (table[w->blk] * bs + w->off) * row_len;
+/* The current key's row (a float cache of value type dt); steps to the next key. */
+static inline const void *walk_next(slot_walk *w, const void *cache, const int64_t *table,
+                                    int64_t bs, int64_t row_len, int dt) {
+    const void *row = kv_at(cache, (table[w->blk] * bs + w->off) * row_len, dt);
     if (++w->off == bs) { w->off = 0; w->blk++; }
     if (w->pf < w->end) {
-        prefetch_row(cache + (table[w->pf_blk] * bs + w->pf_off) * row_len, row_len);
+        prefetch_bytes(kv_at(cache, (table[w->pf_blk] * bs + w->pf_off) * row_len, dt),
+                       row_len * (dt == KV_F32 ? 4 : 2));
         w->pf++;
         if (++w->pf_off == bs) { w->pf_off = 0; w->pf_blk++; }
     }
     return row;
 }
 
-/* All Hq query heads of one row over keys first .. first + n - 1, float32 cache (D % 32 ==
- * 0): each key's K row and V row (every KV head, contiguous) are read once, in slot order,
- * so a block is one sequential stretch, instead of one strided pass per KV head. The
- * arithmetic per head is scores_f32's and weighted_values_f32's, in the same order, so
- * the result is bit-identical to attend(). scores [Hq][n], stats [2 Hq], o [Hq][D]. */
-static void attend_heads_f32(const float *qv, int64_t Hq, int64_t Hkv, int64_t D,
-                             const float *k_cache, const float *v_cache, const int64_t *table,
-                             int64_t bs, int64_t first, int64_t n, float scale, float *o,
-                             float *scores, float *stats) {
+/* All Hq query heads of one row over keys first .. first + n - 1, float cache of value
+ * type dt (D % 32 == 0): each key's K row and V row (every KV head, contiguous) are read
+ * once, in slot order, so a block is one sequential stretch, instead of one strided pass
+ * per KV head. The arithmetic per head is scores_kv's and weighted_values_kv's, in the same
+ * order, so the result is bit-identical to attend(). scores [Hq][n], stats [2 Hq] (each
+ * head's max score, then sum of exps), o [Hq][D]: normalized, or with ``partial`` the
+ * unnormalized sums of a run for attend_split to merge. */
+static inline __attribute__((always_inline)) void attend_heads_as(
+        const float *qv, int64_t Hq, int64_t Hkv, int64_t D, const void *k_cache,
+        const void *v_cache, int dt, const int64_t *table, int64_t bs, int64_t first, int64_t n,
+        float scale, float *o, float *scores, float *stats, int partial) {
     const int64_t group = Hq / Hkv, row_len = Hkv * D;
     slot_walk keys = walk_from(first, n, bs);
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
         const void *rows[4];
-        for (int r = 0; r < 4; r++) rows[r] = walk_next(&keys, k_cache, table, bs, row_len);
+        for (int r = 0; r < 4; r++) rows[r] = walk_next(&keys, k_cache, table, bs, row_len, dt);
         for (int64_t h = 0; h < Hq; h++)
             _mm_storeu_ps(scores + h * n + j,
-                          dot4_scaled(qv + h * D, rows, (h / group) * D, D, scale, KV_F32));
+                          dot4_scaled(qv + h * D, rows, (h / group) * D, D, scale, dt));
     }
     for (; j < n; j++) {
-        const float *row = walk_next(&keys, k_cache, table, bs, row_len);
-        for (int64_t h = 0; h < Hq; h++) scores[h * n + j] = dot(qv + h * D, row + (h / group) * D, D) * scale;
+        const void *row = walk_next(&keys, k_cache, table, bs, row_len, dt);
+        for (int64_t h = 0; h < Hq; h++)
+            scores[h * n + j] = dot_kv(qv + h * D, kv_at(row, (h / group) * D, dt), D, dt) * scale;
     }
     softmax_rows(scores, Hq, n, stats, stats + Hq);
     memset(o, 0, sizeof(float) * (size_t)(Hq * D));
     slot_walk values = walk_from(first, n, bs);
     for (j = 0; j < n; j++) {
-        const float *row = walk_next(&values, v_cache, table, bs, row_len);
+        const void *row = walk_next(&values, v_cache, table, bs, row_len, dt);
         for (int64_t h = 0; h < Hq; h++) {
             const __m256 w = _mm256_set1_ps(scores[h * n + j]);
-            const float *vh = row + (h / group) * D;
+            const void *vh = kv_at(row, (h / group) * D, dt);
             float *oh = o + h * D;
             for (int64_t d = 0; d < D; d += 8)
-                _mm256_storeu_ps(oh + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vh + d), _mm256_loadu_ps(oh + d)));
+                _mm256_storeu_ps(oh + d, _mm256_fmadd_ps(w, kv_load8(vh, d, dt), _mm256_loadu_ps(oh + d)));
         }
     }
+    if (partial) return;
     for (int64_t h = 0; h < Hq; h++) {
         const float inv = 1.0f / stats[Hq + h];
         for (int64_t d = 0; d < D; d++) o[h * D + d] *= inv;
     }
 }
 
+/* attend_heads_as compiled once per value type (a constant dt: no per-load branch). */
+static void attend_heads(const float *qv, int64_t Hq, int64_t Hkv, int64_t D,
+                         const void *k_cache, const void *v_cache, int dt, const int64_t *table,
+                         int64_t bs, int64_t first, int64_t n, float scale, float *o,
+                         float *scores, float *stats, int partial) {
+    if (dt == KV_F16)
+        attend_heads_as(qv, Hq, Hkv, D, k_cache, v_cache, KV_F16, table, bs, first, n, scale, o,
+                        scores, stats, partial);
+    else if (dt == KV_BF16)
+        attend_heads_as(qv, Hq, Hkv, D, k_cache, v_cache, KV_BF16, table, bs, first, n, scale, o,
+                        scores, stats, partial);
+    else
+        attend_heads_as(qv, Hq, Hkv, D, k_cache, v_cache, KV_F32, table, bs, first, n, scale, o,
+                        scores, stats, partial);
+}
+
 /* Few requests (fewer KV heads in flight than 2 x threads): one query row's keys are split
- * into nthreads runs, each task takes every head over its run (a run of slots is one
- * contiguous stretch of each block: sequential reads, each K/V row read once), and the
+ * into nthreads runs, each task takes every head over its run (float caches: attend_heads,
+ * each run one sequential stretch of slot rows; int8: one pass per KV head), and the
  * partial results merge with the usual max rescaling. Returns nonzero if out of memory. */
 static int attend_split(const float *qv, int64_t Hq, int64_t D, const void *k_cache,
                         const void *v_cache, const float *k_scale, const float *v_scale, int dt,
                         const int64_t *table, int64_t bs, int64_t Hkv, int64_t first, int64_t n,
                         float scale, float *o, int nthreads) {
     const int64_t group = Hq / Hkv, S = nthreads;
+    const int whole_rows = dt != KV_I8 && D % 32 == 0;
     float *part = (float *)malloc(sizeof(float) * (size_t)(S * Hq * (D + 2)));
     if (!part) return 1;
     float *pmax = part + S * Hq * D, *psum = pmax + S * Hq;
@@ -267,24 +285,28 @@ static int attend_split(const float *qv, int64_t Hq, int64_t D, const void *k_ca
     #pragma omp parallel for schedule(static, 1) num_threads(nthreads)
     for (int64_t s = 0; s < S; s++) {
         const int64_t lo = first + n * s / S, hi = first + n * (s + 1) / S;
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(group * (hi - lo) + 8));
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(Hq * (hi - lo) + 2 * Hq + 8));
         if (!scores) {
             #pragma omp atomic write
             failed = 1;
             continue;
         }
-        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
-            const int64_t h0 = kvh * group;
-            if (hi > lo)
+        if (hi == lo) {   /* an empty run adds nothing */
+            for (int64_t h = 0; h < Hq; h++) { pmax[s * Hq + h] = -INFINITY; psum[s * Hq + h] = 0.0f; }
+            memset(part + s * Hq * D, 0, sizeof(float) * (size_t)(Hq * D));
+        } else if (whole_rows) {
+            float *stats = scores + Hq * (hi - lo);
+            attend_heads(qv, Hq, Hkv, D, k_cache, v_cache, dt, table, bs, lo, hi - lo, scale,
+                         part + s * Hq * D, scores, stats, 1);
+            memcpy(pmax + s * Hq, stats, sizeof(float) * (size_t)Hq);
+            memcpy(psum + s * Hq, stats + Hq, sizeof(float) * (size_t)Hq);
+        } else {
+            for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+                const int64_t h0 = kvh * group;
                 attend(qv + h0 * D, group, D, k_cache, v_cache, k_scale, v_scale, dt, table, bs,
                        Hkv, kvh, lo, hi - lo, scale, part + (s * Hq + h0) * D, scores,
                        pmax + s * Hq + h0, psum + s * Hq + h0);
-            else
-                for (int64_t g = 0; g < group; g++) {   /* an empty run adds nothing */
-                    pmax[s * Hq + h0 + g] = -INFINITY;
-                    psum[s * Hq + h0 + g] = 0.0f;
-                    memset(part + (s * Hq + h0 + g) * D, 0, sizeof(float) * (size_t)D);
-                }
+            }
         }
         free(scores);
     }
@@ -308,7 +330,7 @@ static int attend_split(const float *qv, int64_t Hq, int64_t D, const void *k_ca
 }
 
 /* One task = one request x a run of query heads: every head when requests alone keep every
- * thread busy (float32 caches: attend_heads_f32), else the heads sharing a KV head (the
+ * thread busy (float caches: attend_heads), else the heads sharing a KV head (the
  * whole GQA group when there are enough tasks, else one head); all of that request's
  * query tokens.
  * q [T, Hq, D] with q_stride floats between tokens, out [T, Hq, D] contiguous; caches
@@ -328,7 +350,7 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
     const int64_t group = Hq / Hkv;
     /* enough requests to keep every thread busy with whole requests: one task per request,
      * all heads at once (sequential cache reads); float32 caches only */
-    const int all_heads = dt == KV_F32 && D % 32 == 0 && B >= 2 * nthreads;
+    const int all_heads = dt != KV_I8 && D % 32 == 0 && B >= 2 * nthreads;
     const int64_t G = all_heads ? Hq : (B * Hkv >= 2 * nthreads && group <= ATT_MAX_G) ? group : 1;
     const int64_t runs = Hq / G;   /* head runs per request */
     int64_t max_len = 1;
@@ -367,10 +389,9 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
                     const int64_t row = q_start[b] + i, p = ctx + i;
                     const int64_t first = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
                     if (all_heads)
-                        attend_heads_f32(q + row * q_stride, Hq, Hkv, D, (const float *)k_cache,
-                                         (const float *)v_cache, table, bs, first, p - first + 1,
-                                         scale, out + row * Hq * D, scores,
-                                         scores + G * max_len);
+                        attend_heads(q + row * q_stride, Hq, Hkv, D, k_cache, v_cache, dt, table,
+                                     bs, first, p - first + 1, scale, out + row * Hq * D, scores,
+                                     scores + G * max_len, 0);
                     else
                         attend(q + row * q_stride + h0 * D, G, D, k_cache, v_cache, k_scale, v_scale,
                                dt, table, bs, Hkv, kvh, first, p - first + 1, scale,
