@@ -153,6 +153,8 @@ CASES = {
     "chunked_prefill": ([(24, 40), (17, 80), (1, 12)], 4, 2, 32, 16, None),
     "sliding_window": ([(1, 45), (20, 60), (3, 30)], 4, 1, 32, 8, 12),
     "first_chunk": ([(30, 30), (1, 19)], 4, 2, 32, 16, None),
+    # one long row: its keys split over the threads, each run read as whole slot rows
+    "one_long": ([(1, 300)], 6, 2, 64, 16, None),
 }
 
 # Max |quantized - fp32| of the attention output on unit-variance random K/V (outputs up to

@@ -12,9 +12,9 @@ static inline void prefetch_bytes(const void *p, int64_t nbytes) {
     for (int64_t b = 0; b < nbytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
 }
 
-/* Address of element `elem` of a float cache (f32 / f16 / bf16 values). */
+/* Address of element `elem` of a cache of value type dt. */
 static inline const void *kv_at(const void *cache, int64_t elem, int dt) {
-    return (const char *)cache + elem * (dt == KV_F32 ? 4 : 2);
+    return (const char *)cache + elem * kv_elem_bytes(dt);
 }
 
 /* q . rows[r] + off for four key rows at once (D % 8 == 0), times scale: the block both
@@ -199,46 +199,63 @@ static inline const void *walk_next(slot_walk *w, const void *cache, const int64
     if (++w->off == bs) { w->off = 0; w->blk++; }
     if (w->pf < w->end) {
         prefetch_bytes(kv_at(cache, (table[w->pf_blk] * bs + w->pf_off) * row_len, dt),
-                       row_len * (dt == KV_F32 ? 4 : 2));
+                       row_len * kv_elem_bytes(dt));
         w->pf++;
         if (++w->pf_off == bs) { w->pf_off = 0; w->pf_blk++; }
     }
     return row;
 }
 
-/* All Hq query heads of one row over keys first .. first + n - 1, float cache of value
- * type dt (D % 32 == 0): each key's K row and V row (every KV head, contiguous) are read
- * once, in slot order, so a block is one sequential stretch, instead of one strided pass
- * per KV head. The arithmetic per head is scores_kv's and weighted_values_kv's, in the same
- * order, so the result is bit-identical to attend(). scores [Hq][n], stats [2 Hq] (each
- * head's max score, then sum of exps), o [Hq][D]: normalized, or with ``partial`` the
- * unnormalized sums of a run for attend_split to merge. */
+/* All Hq query heads of one row over keys first .. first + n - 1, cache of value type dt
+ * (int8 with per-slot scales k_scale / v_scale [slots, Hkv]), D % 32 == 0: each key's K
+ * row and V row (every KV head, contiguous) are read once, in slot order, so a block is one
+ * sequential stretch, instead of one strided pass per KV head. For float caches the
+ * arithmetic per head is scores_kv's and weighted_values_kv's, in the same order, so the
+ * result is bit-identical to attend(). scores [Hq][n], stats [2 Hq] (each head's max
+ * score, then sum of exps), o [Hq][D]: normalized, or with ``partial`` the unnormalized
+ * sums of a run for attend_split to merge. */
 static inline __attribute__((always_inline)) void attend_heads_as(
         const float *qv, int64_t Hq, int64_t Hkv, int64_t D, const void *k_cache,
-        const void *v_cache, int dt, const int64_t *table, int64_t bs, int64_t first, int64_t n,
-        float scale, float *o, float *scores, float *stats, int partial) {
+        const void *v_cache, const float *k_scale, const float *v_scale, int dt,
+        const int64_t *table, int64_t bs, int64_t first, int64_t n, float scale, float *o,
+        float *scores, float *stats, int partial) {
     const int64_t group = Hq / Hkv, row_len = Hkv * D;
     slot_walk keys = walk_from(first, n, bs);
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
         const void *rows[4];
-        for (int r = 0; r < 4; r++) rows[r] = walk_next(&keys, k_cache, table, bs, row_len, dt);
-        for (int64_t h = 0; h < Hq; h++)
-            _mm_storeu_ps(scores + h * n + j,
-                          dot4_scaled(qv + h * D, rows, (h / group) * D, D, scale, dt));
+        int64_t slots[4];
+        for (int r = 0; r < 4; r++) {
+            rows[r] = walk_next(&keys, k_cache, table, bs, row_len, dt);
+            slots[r] = ((const char *)rows[r] - (const char *)k_cache) / (row_len * kv_elem_bytes(dt));
+        }
+        for (int64_t h = 0; h < Hq; h++) {
+            __m128 s4 = dot4_scaled(qv + h * D, rows, (h / group) * D, D, scale, dt);
+            if (dt == KV_I8) {
+                const int64_t kvh = h / group;
+                s4 = _mm_mul_ps(s4, _mm_set_ps(k_scale[slots[3] * Hkv + kvh], k_scale[slots[2] * Hkv + kvh],
+                                               k_scale[slots[1] * Hkv + kvh], k_scale[slots[0] * Hkv + kvh]));
+            }
+            _mm_storeu_ps(scores + h * n + j, s4);
+        }
     }
     for (; j < n; j++) {
         const void *row = walk_next(&keys, k_cache, table, bs, row_len, dt);
-        for (int64_t h = 0; h < Hq; h++)
-            scores[h * n + j] = dot_kv(qv + h * D, kv_at(row, (h / group) * D, dt), D, dt) * scale;
+        const int64_t slot = ((const char *)row - (const char *)k_cache) / (row_len * kv_elem_bytes(dt));
+        for (int64_t h = 0; h < Hq; h++) {
+            float s = dot_kv(qv + h * D, kv_at(row, (h / group) * D, dt), D, dt) * scale;
+            scores[h * n + j] = dt == KV_I8 ? s * k_scale[slot * Hkv + h / group] : s;
+        }
     }
     softmax_rows(scores, Hq, n, stats, stats + Hq);
     memset(o, 0, sizeof(float) * (size_t)(Hq * D));
     slot_walk values = walk_from(first, n, bs);
     for (j = 0; j < n; j++) {
         const void *row = walk_next(&values, v_cache, table, bs, row_len, dt);
+        const int64_t slot = dt == KV_I8 ? ((const char *)row - (const char *)v_cache) / row_len : 0;
         for (int64_t h = 0; h < Hq; h++) {
-            const __m256 w = _mm256_set1_ps(scores[h * n + j]);
+            const float p = scores[h * n + j];
+            const __m256 w = _mm256_set1_ps(dt == KV_I8 ? p * v_scale[slot * Hkv + h / group] : p);
             const void *vh = kv_at(row, (h / group) * D, dt);
             float *oh = o + h * D;
             for (int64_t d = 0; d < D; d += 8)
@@ -254,30 +271,31 @@ static inline __attribute__((always_inline)) void attend_heads_as(
 
 /* attend_heads_as compiled once per value type (a constant dt: no per-load branch). */
 static void attend_heads(const float *qv, int64_t Hq, int64_t Hkv, int64_t D,
-                         const void *k_cache, const void *v_cache, int dt, const int64_t *table,
-                         int64_t bs, int64_t first, int64_t n, float scale, float *o,
-                         float *scores, float *stats, int partial) {
-    if (dt == KV_F16)
-        attend_heads_as(qv, Hq, Hkv, D, k_cache, v_cache, KV_F16, table, bs, first, n, scale, o,
-                        scores, stats, partial);
-    else if (dt == KV_BF16)
-        attend_heads_as(qv, Hq, Hkv, D, k_cache, v_cache, KV_BF16, table, bs, first, n, scale, o,
-                        scores, stats, partial);
-    else
-        attend_heads_as(qv, Hq, Hkv, D, k_cache, v_cache, KV_F32, table, bs, first, n, scale, o,
-                        scores, stats, partial);
+                         const void *k_cache, const void *v_cache, const float *k_scale,
+                         const float *v_scale, int dt, const int64_t *table, int64_t bs,
+                         int64_t first, int64_t n, float scale, float *o, float *scores,
+                         float *stats, int partial) {
+#define ATTEND_HEADS_AS(DT) attend_heads_as(qv, Hq, Hkv, D, k_cache, v_cache, k_scale, v_scale, \
+                                            DT, table, bs, first, n, scale, o, scores, stats, partial)
+    switch (dt) {
+    case KV_F16: ATTEND_HEADS_AS(KV_F16); break;
+    case KV_BF16: ATTEND_HEADS_AS(KV_BF16); break;
+    case KV_I8: ATTEND_HEADS_AS(KV_I8); break;
+    default: ATTEND_HEADS_AS(KV_F32);
+    }
+#undef ATTEND_HEADS_AS
 }
 
 /* Few requests (fewer KV heads in flight than 2 x threads): one query row's keys are split
- * into nthreads runs, each task takes every head over its run (float caches: attend_heads,
- * each run one sequential stretch of slot rows; int8: one pass per KV head), and the
+ * into nthreads runs, each task takes every head over its run (D % 32 == 0: attend_heads,
+ * each run one sequential stretch of slot rows; else one pass per KV head), and the
  * partial results merge with the usual max rescaling. Returns nonzero if out of memory. */
 static int attend_split(const float *qv, int64_t Hq, int64_t D, const void *k_cache,
                         const void *v_cache, const float *k_scale, const float *v_scale, int dt,
                         const int64_t *table, int64_t bs, int64_t Hkv, int64_t first, int64_t n,
                         float scale, float *o, int nthreads) {
     const int64_t group = Hq / Hkv, S = nthreads;
-    const int whole_rows = dt != KV_I8 && D % 32 == 0;
+    const int whole_rows = D % 32 == 0;
     float *part = (float *)malloc(sizeof(float) * (size_t)(S * Hq * (D + 2)));
     if (!part) return 1;
     float *pmax = part + S * Hq * D, *psum = pmax + S * Hq;
@@ -296,8 +314,8 @@ static int attend_split(const float *qv, int64_t Hq, int64_t D, const void *k_ca
             memset(part + s * Hq * D, 0, sizeof(float) * (size_t)(Hq * D));
         } else if (whole_rows) {
             float *stats = scores + Hq * (hi - lo);
-            attend_heads(qv, Hq, Hkv, D, k_cache, v_cache, dt, table, bs, lo, hi - lo, scale,
-                         part + s * Hq * D, scores, stats, 1);
+            attend_heads(qv, Hq, Hkv, D, k_cache, v_cache, k_scale, v_scale, dt, table, bs, lo,
+                         hi - lo, scale, part + s * Hq * D, scores, stats, 1);
             memcpy(pmax + s * Hq, stats, sizeof(float) * (size_t)Hq);
             memcpy(psum + s * Hq, stats + Hq, sizeof(float) * (size_t)Hq);
         } else {
@@ -349,8 +367,10 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
                        int nthreads) {
     const int64_t group = Hq / Hkv;
     /* enough requests to keep every thread busy with whole requests: one task per request,
-     * all heads at once (sequential cache reads); float32 caches only */
-    const int all_heads = dt != KV_I8 && D % 32 == 0 && B >= 2 * nthreads;
+     * all heads at once (sequential cache reads). int8 caches always take it: their per-head
+     * path (attend) rounds differently, and one request must not change numbers with the
+     * batch it is in (the context split of few long rows aside) */
+    const int all_heads = D % 32 == 0 && (B >= 2 * nthreads || dt == KV_I8);
     const int64_t G = all_heads ? Hq : (B * Hkv >= 2 * nthreads && group <= ATT_MAX_G) ? group : 1;
     const int64_t runs = Hq / G;   /* head runs per request */
     int64_t max_len = 1;
@@ -389,9 +409,9 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
                     const int64_t row = q_start[b] + i, p = ctx + i;
                     const int64_t first = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
                     if (all_heads)
-                        attend_heads(q + row * q_stride, Hq, Hkv, D, k_cache, v_cache, dt, table,
-                                     bs, first, p - first + 1, scale, out + row * Hq * D, scores,
-                                     scores + G * max_len, 0);
+                        attend_heads(q + row * q_stride, Hq, Hkv, D, k_cache, v_cache, k_scale,
+                                     v_scale, dt, table, bs, first, p - first + 1, scale,
+                                     out + row * Hq * D, scores, scores + G * max_len, 0);
                     else
                         attend(q + row * q_stride + h0 * D, G, D, k_cache, v_cache, k_scale, v_scale,
                                dt, table, bs, Hkv, kvh, first, p - first + 1, scale,

@@ -92,10 +92,16 @@ static inline void axpy_i8(float w, const int8_t *x, float *y, int64_t D) {
 /* KV cache value types (tm_paged_attention's dt; cpu_ops.KV_DTYPE_CODES). */
 enum { KV_F32 = 0, KV_I8 = 1, KV_F16 = 2, KV_BF16 = 3 };
 
-/* 8 values of a float cache row from element i, widened to float32 (f16 by F16C; bf16 is
- * the high half of a float32). */
+static inline int64_t kv_elem_bytes(int dt) {
+    return dt == KV_F32 ? 4 : dt == KV_I8 ? 1 : 2;
+}
+
+/* 8 values of a cache row from element i, widened to float32 (f16 by F16C; bf16 is the
+ * high half of a float32; int8 unscaled). */
 static inline __m256 kv_load8(const void *row, int64_t i, int dt) {
     if (dt == KV_F32) return _mm256_loadu_ps((const float *)row + i);
+    if (dt == KV_I8)   /* the int8 values; the caller applies the row's scale */
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)row + i))));
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + i));
     if (dt == KV_F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -103,6 +109,7 @@ static inline __m256 kv_load8(const void *row, int64_t i, int dt) {
 
 static inline float kv_load1(const void *row, int64_t i, int dt) {
     if (dt == KV_F32) return ((const float *)row)[i];
+    if (dt == KV_I8) return (float)((const int8_t *)row)[i];
     const uint16_t h = ((const uint16_t *)row)[i];
     if (dt == KV_F16) return _cvtsh_ss(h);
     const uint32_t bits = (uint32_t)h << 16;
