@@ -66,10 +66,10 @@ def test_exp_extremes_through_silu():
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("d", [64, 48])   # 48: not a multiple of 32, the generic loops
-@pytest.mark.parametrize("requests", ["few", "many", "one-long-2", "one-long-3"])
+@pytest.mark.parametrize("requests", ["few", "many", "one-long-2", "one-long-3", "two-long-2"])
 def test_paged_attention_matches_reference(window, d, requests, kv_dtype):
-    """many: GQA heads grouped per task; one-long-N: a single request whose keys are split
-    across N threads (without a window), each part merged by max rescaling. Half-precision
+    """many: GQA heads grouped per task; one-long-N / two-long-N: requests whose keys are
+    split across N threads (without a window), each part merged by max rescaling. Half-precision
     caches are widened in registers: same numbers as the reference reading them as fp32."""
     g = torch.Generator().manual_seed(3)
     hq, hkv, bs, nblocks = 6, 2, 4, 120
@@ -82,6 +82,9 @@ def test_paged_attention_matches_reference(window, d, requests, kv_dtype):
     threads = torch.get_num_threads()
     if requests.startswith("one-long"):
         q_lens, seq_lens = [3], [301]
+        torch.set_num_threads(int(requests[-1]))
+    if requests.startswith("two-long"):   # fewer requests than 2 x threads: split too
+        q_lens, seq_lens = [1, 2], [150, 203]
         torch.set_num_threads(int(requests[-1]))
     tables = shuffled_block_tables(seq_lens, bs, nblocks, g)
     meta = AttentionMetadata.build(q_lens, seq_lens, tables, bs, "cpu")

@@ -286,10 +286,11 @@ static void attend_heads(const float *qv, int64_t Hq, int64_t Hkv, int64_t D,
 #undef ATTEND_HEADS_AS
 }
 
-/* Few requests (fewer KV heads in flight than 2 x threads): one query row's keys are split
- * into nthreads runs, each task takes every head over its run (D % 32 == 0: attend_heads,
- * each run one sequential stretch of slot rows; else one pass per KV head), and the
- * partial results merge with the usual max rescaling. Returns nonzero if out of memory. */
+/* Few requests (fewer than 2 x threads; when D % 32 != 0, fewer KV heads in flight): one
+ * query row's keys are split into nthreads runs, each task takes every head over its run
+ * (D % 32 == 0: attend_heads, each run one sequential stretch of slot rows; else one pass
+ * per KV head), and the partial results merge with the usual max rescaling. Returns
+ * nonzero if out of memory. */
 static int attend_split(const float *qv, int64_t Hq, int64_t D, const void *k_cache,
                         const void *v_cache, const float *k_scale, const float *v_scale, int dt,
                         const int64_t *table, int64_t bs, int64_t Hkv, int64_t first, int64_t n,
@@ -376,7 +377,10 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
     int64_t max_len = 1;
     for (int64_t b = 0; b < B; b++) if (seq_len[b] > max_len) max_len = seq_len[b];
     int failed = 0;
-    if (B * Hkv < 2 * nthreads && nthreads > 1 && nthreads <= 64 && window <= 0) {
+    /* tasks the batch offers without a split: one per request for whole-row reads (D % 32
+     * == 0: attend_split reads every head at once), else one per request and KV head */
+    const int64_t tasks = D % 32 == 0 ? B : B * Hkv;
+    if (tasks < 2 * nthreads && nthreads > 1 && nthreads <= 64 && window <= 0) {
         /* few requests: split each row's keys across the threads (long enough rows) */
         int split_all = 1;
         for (int64_t b = 0; b < B; b++)
