@@ -74,8 +74,11 @@ def test_bench_quant_takes_checkpoints_and_kv_schemes(tiny_llama_dir, tmp_path):
                "--batch-sizes", "1", "--prompt-len", "4", "--prefill-len", "8", "--steps", "2",
                "--json", str(out), "--output-dir", ""])
     assert rc == 0
-    schemes = json.loads(out.read_text())["schemes"]
+    result = json.loads(out.read_text())
+    schemes = result["schemes"]
     assert set(schemes) == {"none", "rtn4", "kv:int8", "kv:bf16", "int8:q8"}
+    # every bench's machine facts carry the process's peak RSS (here: five engines loaded)
+    assert result["machine_after"]["peak_rss_mb"] >= result["machine"]["peak_rss_mb"] > 50
     assert schemes["int8:q8"]["weight_bytes"] < schemes["none"]["weight_bytes"]
     assert schemes["rtn4"]["weight_bytes"] < schemes["none"]["weight_bytes"]
     assert schemes["kv:int8"]["weight_bytes"] == schemes["none"]["weight_bytes"]

@@ -16,10 +16,18 @@ from tokenmill.bench.report import Chart, write_report
 
 
 def machine_info() -> dict:
+    """Load, threads and versions; ``peak_rss_mb``: this process's peak resident memory so
+    far (taken at the end of a bench, the peak of everything it ran in-process)."""
     load1, load5, _ = os.getloadavg()
     return {"load_avg_1m": round(load1, 2), "load_avg_5m": round(load5, 2),
             "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-            "torch": torch.__version__}
+            "torch": torch.__version__, "peak_rss_mb": peak_rss_mb()}
+
+
+def peak_rss_mb() -> float:
+    import resource
+    # ru_maxrss is in KiB on Linux (bytes on macOS, where the figure reads 1024x too high)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 def median_of(fn: Callable[[], float], repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
