@@ -165,8 +165,9 @@ static void attend(const float *qv, int64_t G, int64_t D, const void *k_cache, c
             const int64_t slot = (table[blk] * bs + off) * Hkv + kvh;
             if (++off == bs) { off = 0; blk++; }
             for (int64_t g = 0; g < G; g++) {
-                if (dt == KV_I8) axpy_i8(scores[g * n + j] * v_scale[slot], (const int8_t *)v_cache + slot * D, o + g * D, D);
-                else axpy_kv(scores[g * n + j], kv_at(v_cache, slot * D, dt), o + g * D, D, dt);
+                const float p = scores[g * n + j];
+                axpy_kv(dt == KV_I8 ? p * v_scale[slot] : p, kv_at(v_cache, slot * D, dt),
+                        o + g * D, D, dt);
             }
         }
     }

@@ -45,28 +45,6 @@ static inline float exp1(float x) {   /* scalar tail through the same polynomial
     return buf[0];
 }
 
-static inline float dot(const float *a, const float *b, int64_t D) {
-    /* two independent FMA chains: one chain is latency-bound at head size 64 */
-    __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= D; i += 16) {
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc2);
-    }
-    for (; i + 8 <= D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum256(_mm256_add_ps(acc, acc2));
-    for (; i < D; i++) s += a[i] * b[i];
-    return s;
-}
-
-static inline void axpy(float w, const float *x, float *y, int64_t D) {
-    const __m256 vw = _mm256_set1_ps(w);
-    int64_t i = 0;
-    for (; i + 8 <= D; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vw, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < D; i++) y[i] += w * x[i];
-}
-
 static inline float dot_i8(const float *a, const int8_t *b, int64_t D) {
     __m256 acc = _mm256_setzero_ps();
     int64_t i = 0;
@@ -77,16 +55,6 @@ static inline float dot_i8(const float *a, const int8_t *b, int64_t D) {
     float s = hsum256(acc);
     for (; i < D; i++) s += a[i] * (float)b[i];
     return s;
-}
-
-static inline void axpy_i8(float w, const int8_t *x, float *y, int64_t D) {
-    const __m256 vw = _mm256_set1_ps(w);
-    int64_t i = 0;
-    for (; i + 8 <= D; i += 8) {
-        __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(x + i))));
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vw, v, _mm256_loadu_ps(y + i)));
-    }
-    for (; i < D; i++) y[i] += w * (float)x[i];
 }
 
 /* KV cache value types (tm_paged_attention's dt; cpu_ops.KV_DTYPE_CODES). */
@@ -119,6 +87,7 @@ static inline float kv_load1(const void *row, int64_t i, int dt) {
 }
 
 static inline float dot_kv(const float *a, const void *row, int64_t D, int dt) {
+    /* two independent FMA chains: one chain is latency-bound at head size 64 */
     __m256 acc = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= D; i += 16) {
@@ -137,6 +106,10 @@ static inline void axpy_kv(float w, const void *row, float *y, int64_t D, int dt
     for (; i + 8 <= D; i += 8)
         _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vw, kv_load8(row, i, dt), _mm256_loadu_ps(y + i)));
     for (; i < D; i++) y[i] += w * kv_load1(row, i, dt);
+}
+
+static inline float dot(const float *a, const float *b, int64_t D) {
+    return dot_kv(a, b, D, KV_F32);
 }
 
 /* float32 -> f16 / bf16, rounded to nearest even as torch's .to() (bf16 NaN: 0x7fc0). */
