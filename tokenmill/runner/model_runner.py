@@ -235,13 +235,21 @@ class ModelRunner:
             out.prompt_logprobs[sl.req_id] = (sl.first_position + 1, entries)
 
 
+def _bad_row_mask(x: torch.Tensor) -> torch.Tensor:
+    """[R] bool: rows of x [R, D] holding NaN/inf (their sum is non-finite: one reduction)."""
+    return ~torch.isfinite(x.sum(dim=-1))
+
+
 def _nonfinite_rows(x: torch.Tensor):
-    """Rows of x [R, D] holding NaN/inf (their sum is non-finite: one reduction). On a CPU
-    a list of flags, or None when every row is finite, read at once (cheap there); on a
-    GPU the flags stay a device tensor until the step's results are read (``_flags_list``
-    after the sampled tokens), so the check adds no host sync inside the step."""
-    bad = ~torch.isfinite(x.sum(dim=-1))
-    if x.device.type != "cpu":
+    """``_bad_row_mask`` as ``_read_now_on_cpu`` gives it."""
+    return _read_now_on_cpu(_bad_row_mask(x))
+
+
+def _read_now_on_cpu(bad: torch.Tensor):
+    """Row flags [R] bool: on a CPU a list, or None when no row is bad, read at once (cheap
+    there); on a GPU the device tensor itself, read once the step's results are
+    (``_flags_list`` after the sampled tokens), so the check adds no host sync inside it."""
+    if bad.device.type != "cpu":
         return bad
     return bad.tolist() if bool(bad.any()) else None
 
@@ -256,11 +264,11 @@ def _flags_list(bad) -> Optional[list[bool]]:
 
 def _zero_nonfinite_rows(logits: torch.Tensor):
     """(logits with NaN/inf rows zeroed so sampling stays defined, ``_nonfinite_rows``)."""
-    bad = _nonfinite_rows(logits)
-    if bad is None:
+    bad = _bad_row_mask(logits)
+    flags = _read_now_on_cpu(bad)
+    if flags is None:
         return logits, None
-    mask = bad if isinstance(bad, torch.Tensor) else torch.tensor(bad, device=logits.device)
-    return torch.where(mask.unsqueeze(-1), torch.zeros_like(logits), logits), bad
+    return torch.where(bad.unsqueeze(-1), torch.zeros_like(logits), logits), flags
 
 
 def _flag_nonfinite(bad_rows, inp: ModelInput, out: ModelRunnerOutput) -> None:
