@@ -3,6 +3,7 @@ gated activations and rotary embedding, each one pass over memory instead of sev
 PyTorch ops. Every kernel computes in fp32 and rounds once, like the module it stands in
 for (norm.py, activation.py, rotary.py), which is its test oracle. Imported only when a
 model runs with Triton kernels; on a CPU the kernels run in Triton's interpreter (tests).
+Also the jit helpers the other Triton kernels share (``round_to``, ``dot_f32``).
 """
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ def round_to(x, dtype: tl.constexpr):
     else:
         y = x.to(dtype)
     return y
+
+
+@triton.jit
+def dot_f32(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b accumulated in fp32. UPCAST: operands widened to fp32 first, for Triton's
+    interpreter, whose dot reads bf16 / fp16 operands as raw integers."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=DOT_PREC)
 
 
 # -- RMSNorm ----------------------------------------------------------------------------------

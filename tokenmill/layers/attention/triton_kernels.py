@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers.triton_ops import round_to
+from tokenmill.layers.triton_ops import dot_f32, round_to
 
 _QUANT_CODES = {torch.int8: 1, torch.float8_e4m3fn: 2}
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -164,16 +164,6 @@ def _block_d(head_dim: int) -> int:
 
 # -- paged attention --------------------------------------------------------------------------
 @triton.jit
-def _dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b accumulated in fp32. UPCAST: operands widened to fp32 first, for Triton's
-    interpreter, whose dot reads bf16 / fp16 operands as raw integers."""
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision=DOT_PREC)
-
-
-@triton.jit
 def _load_kv_tile(cache_ptr, scale_ptr, slot_off, scale_off, d, k_ok, d_ok,
                   QUANT: tl.constexpr, DTYPE: tl.constexpr):
     """[BLOCK_N, BLOCK_D] of K or V at the given slot offsets, in the dot's dtype."""
@@ -237,7 +227,7 @@ def _attention_kernel(
             scale_off = block * s_block + offset * s_slot + kv_head * s_head
             k = _load_kv_tile(k_ptr, k_scale_ptr, slot_off, scale_off, d, k_ok, d_ok, QUANT,
                               q.dtype)
-            s = _dot(q, tl.trans(k), DOT_PREC, UPCAST) * qk_scale_log2
+            s = dot_f32(q, tl.trans(k), DOT_PREC, UPCAST) * qk_scale_log2
             allowed = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
             if window > 0:
                 allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
@@ -249,7 +239,7 @@ def _attention_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = _load_kv_tile(v_ptr, v_scale_ptr, slot_off, scale_off, d, k_ok, d_ok, QUANT,
                               q.dtype)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PREC, UPCAST)
+            acc = acc * alpha[:, None] + dot_f32(p.to(v.dtype), v, DOT_PREC, UPCAST)
             m_i = m_new
             pos += BLOCK_N
         # A row that saw no key (a padding row of context 0) writes zeros.

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.quant.formats import FP8_MAX, Packed
+from tokenmill.layers.triton_ops import dot_f32
 
 _KIND_CODES = {"i8": 0, "i4": 1, "f8": 2}
 _FP8 = torch.float8_e4m3fn
@@ -81,9 +82,7 @@ def _packed_gemm_kernel(x_ptr, w_ptr, s_ptr, mins_ptr, out_ptr, M, N, stride_xm,
                     mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = _weight_tile(w_ptr, s_ptr, mins_ptr, rn, k0, rk, n_ok, k_ok, stride_wn, stride_sn,
                          GROUP, KIND, HAS_MINS, FP8_NATIVE).to(x.dtype)
-        if UPCAST:   # the interpreter's dot reads bf16 / fp16 operands as raw integers
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
+        acc += dot_f32(x, tl.trans(w), DOT_PREC, UPCAST)
     tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc,
              mask=m_ok[:, None] & n_ok[None, :])
 
