@@ -144,13 +144,14 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
-_SPEC_METHODS = ("ngram", "draft_model", "layer_skip", "medusa", "eagle")
+_SPEC_METHODS = ("ngram", "draft_model", "layer_skip", "medusa", "eagle", "eagle3", "dflash")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding (see tokenmill/spec). ``model``: draft checkpoint (draft_model) or
-    head weights (medusa / eagle; None = random heads, for exactness tests). ``num_layers``:
+    drafter weights (medusa / eagle / eagle3 / dflash; None = random weights, for exactness
+    tests). ``num_layers``:
     target layers a layer_skip draft runs. ``adaptive``: pick k per step (0..k) from measured
     cost and acceptance instead of always k."""
 

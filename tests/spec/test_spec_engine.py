@@ -104,13 +104,14 @@ class AlwaysWrongProposer:
     """Proposes, for every position, a token the target's greedy output never has there."""
 
     needs_lookahead = False
+    aux_layers = ()
 
     def __init__(self, ref: dict, vocab: int):
         self.ref, self.vocab = ref, vocab
 
-    def propose(self, states, num_drafts, hidden):
+    def propose(self, inp):
         out = []
-        for s, k in zip(states, num_drafts):
+        for s, k in zip(inp.states, inp.num_drafts):
             cont = self.ref[tuple(s.prompt_token_ids)]
             n = len(s.output_token_ids)
             out.append([(cont[min(n + j, len(cont) - 1)] + 1) % self.vocab for j in range(k)])

@@ -133,12 +133,14 @@ class Gemma3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        # input_ids [T], positions [T] -> hidden [T, hidden]
+                meta: AttentionMetadata, backend: AttentionBackend, aux=None) -> torch.Tensor:
+        # input_ids [T], positions [T] -> hidden [T, hidden]; aux as in LlamaForCausalLM
         x = self.model.embed_tokens(input_ids)
         x = x * self.model.embed_scale.to(x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             x = layer(positions, x, kv_cache, meta, backend)
+            if aux is not None:
+                aux.offer(index, x)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:   # [N, hidden] -> [N, V]

@@ -274,11 +274,14 @@ class LlamaForCausalLM(nn.Module):
         return self.model.layers[0].self_attn.num_kv_heads
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        # input_ids [T], positions [T] -> hidden [T, hidden]
+                meta: AttentionMetadata, backend: AttentionBackend, aux=None) -> torch.Tensor:
+        # input_ids [T], positions [T] -> hidden [T, hidden]. aux: a spec.draft_input.AuxCapture
+        # that keeps the outputs of the layers a drafter reads.
         x = self.model.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             x = layer(positions, x, kv_cache, meta, backend)
+            if aux is not None:
+                aux.offer(index, x)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:   # [N, hidden] -> [N, V]

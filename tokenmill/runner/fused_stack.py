@@ -222,19 +222,21 @@ def may_apply(model: nn.Module, num_tokens: int, meta, backend) -> bool:
 
 
 def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-            meta, backend) -> Optional[torch.Tensor]:
+            meta, backend, aux=None) -> Optional[torch.Tensor]:
     """The model's hidden states [T, hidden] (after the final norm) through the C stack, or
-    None when this step must run the modules."""
+    None when this step must run the modules. ``aux``: as the model's forward takes it."""
     if not may_apply(model, input_ids.shape[0], meta, backend):
         return None
-    out = run_layers(model, model.model.embed_tokens(input_ids), positions, kv_caches, meta, backend)
+    out = run_layers(model, model.model.embed_tokens(input_ids), positions, kv_caches, meta,
+                     backend, aux)
     return None if out is None else model.model.norm(out)
 
 
 def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_caches: list,
-               meta, backend) -> Optional[torch.Tensor]:
+               meta, backend, aux=None) -> Optional[torch.Tensor]:
     """x [T, hidden] embeddings -> the stack's output (before the final norm), or None when
-    the fused path does not apply."""
+    the fused path does not apply. With ``aux`` the C stack stops after each layer it wants
+    (one call per run of layers), so the captured rows are the module path's bits."""
     t = x.shape[0]
     if not (may_apply(model, t, meta, backend) and _fp32_cpu(x) and positions.dtype is torch.int64):
         return None
@@ -279,10 +281,23 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
                               + " kernel could not allocate its buffer")
 
     if plan.moe_ffns is None:
-        call(0, plan.num_layers, None)
+        first = 0
+        for end in _segment_ends(plan.num_layers, aux):
+            call(first, end - first, None)
+            if aux is not None and aux.wants(end - 1):
+                aux.offer(end - 1, x.clone())   # the C calls go on updating x in place
+            first = end
         return x
     ffn_in = torch.empty(t, h, dtype=torch.float32)
     for layer, ffn in enumerate(plan.moe_ffns):
         call(layer, 1, ffn_in)     # attention half; ffn_in = post-attention norm of x
         x = x + ffn(ffn_in)        # as the decoder layer adds its FFN output
+        if aux is not None:
+            aux.offer(layer, x)
     return x
+
+
+def _segment_ends(num_layers: int, aux) -> list[int]:
+    """Where each C call stops: after every layer ``aux`` wants, and at the end."""
+    wanted = [] if aux is None else [layer + 1 for layer in aux.layers if layer + 1 < num_layers]
+    return sorted(set(wanted)) + [num_layers]

@@ -19,6 +19,7 @@ from tokenmill.sample.metadata import RowSamplingState, build_sampling_metadata,
 from tokenmill.sample.rejection import RejectionSampler
 from tokenmill.sample.sampler import Sampler, compute_logprobs
 from tokenmill.sched.output import SchedulerOutput
+from tokenmill.spec.draft_input import AuxCapture, StepFeatures
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -111,26 +112,57 @@ class ModelRunner:
                                 self.backend)
         if self.faults is not None:
             self.faults.before_forward(inp.req_ids, self.states)
-        hidden = self._forward(inp)
+        aux = self._aux_capture()
+        hidden = self._forward(inp, aux)
         out = ModelRunnerOutput(req_ids=inp.req_ids, sampled_token_ids=[[] for _ in inp.req_ids])
         bad_hidden_rows = _nonfinite_rows(hidden)
         self._prompt_logprobs(hidden, inp, out)
         pool_rows(hidden, inp.pooling, self.states, out)
         last_rows = inp.logits_indices   # per sample request: hidden row of its newest token
+        rejected: dict[str, int] = {}    # drafts rejected per verified request
         if inp.sample_req_ids:
             logits = self.model.compute_logits(hidden[inp.logits_indices])
             if self.faults is not None:
                 self._inject_sampling_faults(logits, inp)
             if inp.num_draft_tokens:
-                last_rows = inp.logits_indices[self._verify(logits, inp, out, so.grammar_bitmask)]
+                rows, rejected = self._verify(logits, inp, out, so.grammar_bitmask)
+                last_rows = inp.logits_indices[rows]
             else:
                 self._sample(logits, inp, out, so.grammar_bitmask)
         _flag_nonfinite(bad_hidden_rows, inp, out)
+        features = None if aux is None else self._step_features(inp, out, aux.concat(), rejected)
         for req_id, n in so.num_scheduled_tokens.items():
             self.states[req_id].num_computed_tokens += n
         if self.spec is not None:
-            out.draft_token_ids = self.spec.after_step(self, so, inp, hidden[last_rows], out, t_start)
+            out.draft_token_ids = self.spec.after_step(self, so, inp, hidden[last_rows], out, t_start,
+                                                       features)
         return out
+
+    def _aux_capture(self) -> Optional[AuxCapture]:
+        """What the proposer wants kept from this forward (decoder layers' outputs), or None."""
+        layers = () if self.spec is None else self.spec.proposer.aux_layers
+        return AuxCapture(layers) if layers else None
+
+    def _step_features(self, inp: ModelInput, out: ModelRunnerOutput, aux_rows: torch.Tensor,
+                       rejected: dict) -> StepFeatures:
+        """The rows of ``aux_rows`` [T, ...] whose tokens this step verified, per request
+        (called before num_computed_tokens advances, after rejected drafts rolled it back)."""
+        keep, starts, counts, token_ids, block_ids, req_ids = [], [], [], [], [], []
+        flat = 0
+        for req_id, n in zip(inp.req_ids, inp.attn_meta.query_lens):
+            verified = n - rejected.get(req_id, 0)
+            if req_id not in out.errors and verified > 0:
+                state = self.states[req_id]
+                start = state.num_computed_tokens + rejected.get(req_id, 0)   # _verify rolled back
+                req_ids.append(req_id)
+                starts.append(start)
+                counts.append(verified)
+                token_ids.append(state.tokens(start, start + verified))
+                block_ids.append(state.block_ids)
+                keep.extend(range(flat, flat + verified))
+            flat += n
+        rows = aux_rows[torch.tensor(keep, dtype=torch.int64, device=aux_rows.device)]
+        return StepFeatures(req_ids, starts, counts, token_ids, block_ids, rows)
 
     def _inject_sampling_faults(self, logits: torch.Tensor, inp: ModelInput) -> None:
         """logits [rows, V]: one row per sample request, k + 1 with k drafts."""
@@ -139,19 +171,23 @@ class ModelRunner:
         self.faults.poison_logits(logits, inp.sample_req_ids, self.states, rows)
         self.faults.before_sample(inp.sample_req_ids, self.states)
 
-    def _forward(self, inp: ModelInput) -> torch.Tensor:
+    def _forward(self, inp: ModelInput, aux: Optional[AuxCapture]) -> torch.Tensor:
         """Hidden states [T, hidden] of the step: the one-call C decode stack when it applies
         (decode-sized steps of a plain single-rank Llama stack), a CUDA graph (decode steps on
-        the Triton backend), else the model's modules."""
-        if self.graphs is not None:
+        the Triton backend, when no layer outputs are wanted), else the model's modules.
+        ``aux`` collects the outputs of the layers a drafter reads."""
+        if self.graphs is not None and aux is None:
             size = self.graphs.bucket(inp)
             if size is not None:
                 return self.graphs.run(inp, size)
         hidden = fused_stack.forward(self.model, inp.input_ids, inp.positions, self.kv_caches,
-                                     inp.attn_meta, self.backend)
+                                     inp.attn_meta, self.backend, aux)
         if hidden is not None:
             return hidden
-        return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta, self.backend)
+        if aux is None:
+            return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta, self.backend)
+        return self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta, self.backend,
+                          aux=aux)
 
     def _sample(self, logits: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput,
                 grammar_bitmask) -> None:
@@ -182,11 +218,12 @@ class ModelRunner:
                 out.logprobs[req_id] = [_position_logprobs(lp, row, state.params.logprobs)]
 
     def _verify(self, logits: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput,
-                grammar_bitmask) -> list[int]:
+                grammar_bitmask) -> tuple[list[int], dict]:
         """logits [sum(k + 1), V]: each sample request's newest token and its k drafts. Row j
         is shaped as if the drafts before it were output already, and seeded rows draw at
         output position n0 + j, like plain sampling. Returns the logits row of each request's
-        last emitted token (the drafter continues from its hidden state)."""
+        last emitted token (the drafter continues from its hidden state) and the number of
+        drafts each request had rejected."""
         rows, drafts, row_req_ids = [], [], []
         for req_id in inp.sample_req_ids:
             state = self.states[req_id]
@@ -206,11 +243,12 @@ class ModelRunner:
         bad_rows = _flags_list(bad_rows)
         lp = res.logprobs.tolists() if res.logprobs is not None else None
         index = {req_id: i for i, req_id in enumerate(inp.req_ids)}
-        last_rows = []
+        last_rows, rejected = [], {}
         for b, req_id in enumerate(inp.sample_req_ids):
             state, start, tokens = self.states[req_id], res.row_starts[b], res.token_ids[b]
             last_rows.append(start + len(tokens) - 1)
             num_rejected = len(state.spec_token_ids) - res.num_accepted[b]
+            rejected[req_id] = num_rejected
             state.spec_token_ids = []
             if bad_rows is not None and any(bad_rows[start:start + num_rejected + len(tokens)]):
                 out.errors[req_id] = "the model produced non-finite logits (NaN or inf)"
@@ -221,7 +259,7 @@ class ModelRunner:
             if state.params.logprobs is not None and lp is not None:
                 out.logprobs[req_id] = [_position_logprobs(lp, start + j, state.params.logprobs)
                                         for j in range(len(tokens))]
-        return last_rows
+        return last_rows, rejected
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput) -> None:
         for sl in inp.prompt_logprobs:

@@ -18,6 +18,7 @@ import torch
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.spec.adaptive import AdaptiveK, FixedK
+from tokenmill.spec.draft_input import DraftInput, StepFeatures
 from tokenmill.spec.metrics import PlainStepCost, SpecDecodingStats
 
 
@@ -40,9 +41,12 @@ class SpecDecoder:
     def num_lookahead_tokens(self) -> int:
         return self.k_max if self.proposer.needs_lookahead else 0
 
-    def after_step(self, runner, so, inp, hidden: torch.Tensor, out, t_start: float) -> dict:
+    def after_step(self, runner, so, inp, hidden: torch.Tensor, out, t_start: float,
+                   features: Optional[StepFeatures] = None) -> dict:
         """hidden [num_sample, hidden]: the target's hidden state that produced each sample
-        request's newest token. Returns req_id -> drafts for the next step."""
+        request's newest token; ``features``: the layer outputs the proposer asked for
+        (``aux_layers``), for every request the step ran. Returns req_id -> drafts for the
+        next step."""
         # Forget requests that left the runner (finished, preempted, or dropped while idle)
         # and requests sent anew (their blocks changed).
         gone = {r for r in self._drafted if r not in runner.states}
@@ -53,27 +57,34 @@ class SpecDecoder:
         index = {req_id: i for i, req_id in enumerate(inp.req_ids)}
         rows = [b for b, r in enumerate(inp.sample_req_ids)
                 if r not in out.errors and out.sampled_token_ids[index[r]]]
-        if not rows:
-            return {}
-        k = self.controller.choose(len(rows))
+        if features is not None:
+            self._drafted |= set(features.req_ids)
+        k = self.controller.choose(len(rows)) if rows else 0
         if k > 0 and self.plain_cost.wants_sample(len(rows)):
             k = 0       # a plain step now and then measures c(B) (for the estimated speedup)
-        self.stats.k_chosen[k] = self.stats.k_chosen.get(k, 0) + 1
+        if rows:
+            self.stats.k_chosen[k] = self.stats.k_chosen.get(k, 0) + 1
         if k == 0:
-            self._pending = (len(rows), 0, 0.0, frozenset())
+            self._pending = (len(rows), 0, 0.0, frozenset()) if rows else None
+            if features is not None:   # no drafts, but the proposer's context must follow
+                self._timed_propose(DraftInput([], [], None, features))
             return {}
-        t0 = time.perf_counter()
         states = [runner.states[inp.sample_req_ids[b]] for b in rows]
         caps = [self._cap(s, k) for s in states]
-        drafts = self.proposer.propose(states, caps, hidden[rows])
-        seconds = time.perf_counter() - t0
+        drafts, seconds = self._timed_propose(DraftInput(states, caps, hidden[rows], features))
         ids = frozenset(s.req_id for s in states)
         self._drafted |= ids
-        self.stats.draft_time += seconds
         for req_id in ids:
             self.stats.request(req_id).draft_time += seconds
         self._pending = (len(rows), k, seconds, ids)
         return {s.req_id: d for s, d in zip(states, drafts) if d}
+
+    def _timed_propose(self, draft_input: DraftInput) -> tuple[list[list[int]], float]:
+        t0 = time.perf_counter()
+        drafts = self.proposer.propose(draft_input)
+        seconds = time.perf_counter() - t0
+        self.stats.draft_time += seconds
+        return drafts, seconds
 
     def finish_request(self, req_id: str) -> None:
         """The engine finished or aborted the request: its stats join the recent list."""
@@ -189,6 +200,12 @@ def build_spec_decoder(config: SpeculativeConfig, runner, max_model_len: int, nu
     elif config.method == "draft_model":
         draft, caches = _load_draft(config.model, runner, max_model_len, num_blocks, cache_dir)
         proposer = PagedDraftProposer(draft, caches, catch_up=True, **common)
+    elif config.method == "eagle3":
+        from tokenmill.spec.eagle3 import build_eagle3_proposer
+        proposer = build_eagle3_proposer(config, runner, num_blocks)
+    elif config.method == "dflash":
+        from tokenmill.spec.dflash import build_dflash_proposer
+        proposer = build_dflash_proposer(config, runner, num_blocks)
     elif config.method == "medusa":
         heads = build_medusa(config.model, target, k, config.seed, runner.device)
         k = min(k, heads.num_heads)
@@ -196,6 +213,8 @@ def build_spec_decoder(config: SpeculativeConfig, runner, max_model_len: int, nu
     else:
         proposer = EagleProposer(build_eagle(config.model, target, config.seed, runner.device),
                                  target, runner.backend, runner.device)
+    # a drafter may draft fewer per step than asked (DFlash: block size - 1)
+    k = min(k, getattr(proposer, "max_drafts", k))
     return SpecDecoder(config, proposer, max_model_len, runner.block_size, k_max=k)
 
 

@@ -49,12 +49,14 @@ class MedusaHeads(nn.Module):
 
 class MedusaProposer:
     needs_lookahead = False
+    aux_layers = ()
 
     def __init__(self, heads: MedusaHeads) -> None:
         self.heads = heads
 
     @torch.inference_mode()
-    def propose(self, states, num_drafts: list[int], hidden: Optional[torch.Tensor]) -> list[list[int]]:
+    def propose(self, inp) -> list[list[int]]:
+        states, num_drafts, hidden = inp.states, inp.num_drafts, inp.hidden
         k = max(num_drafts, default=0)
         if k == 0:
             return [[] for _ in states]
@@ -78,6 +80,7 @@ class EagleHead(nn.Module):
 
 class EagleProposer:
     needs_lookahead = False
+    aux_layers = ()
 
     def __init__(self, head: EagleHead, target: LlamaForCausalLM, backend, device) -> None:
         self.head, self.target, self.backend, self.device = head, target, backend, device
@@ -86,7 +89,8 @@ class EagleProposer:
         self._kv_shape = (a.num_key_value_heads, a.head_dim)
 
     @torch.inference_mode()
-    def propose(self, states, num_drafts: list[int], hidden: Optional[torch.Tensor]) -> list[list[int]]:
+    def propose(self, inp) -> list[list[int]]:
+        states, num_drafts, hidden = inp.states, inp.num_drafts, inp.hidden
         rows = [i for i, k in enumerate(num_drafts) if k > 0]
         drafts: list[list[int]] = [[] for _ in states]
         if not rows:

@@ -4,21 +4,19 @@ propose the tokens that followed it. Pays off when the output copies the input (
 repeat, answer from a given text, code edits)."""
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
-import torch
 
 
 class NgramProposer:
     needs_lookahead = False
+    aux_layers = ()
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, states, num_drafts: list[int], hidden: Optional[torch.Tensor]) -> list[list[int]]:
+    def propose(self, inp) -> list[list[int]]:
         return [lookup(s.prompt_token_ids + s.output_token_ids, k, self.min_n, self.max_n) if k > 0
-                else [] for s, k in zip(states, num_drafts)]
+                else [] for s, k in zip(inp.states, inp.num_drafts)]
 
     def drop(self, req_ids) -> None:
         pass

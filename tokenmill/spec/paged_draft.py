@@ -14,14 +14,13 @@ what the shallow pass would compute.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
 
 class PagedDraftProposer:
     needs_lookahead = True
+    aux_layers = ()
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, backend, block_size: int,
                  device: torch.device, catch_up: bool) -> None:
@@ -50,7 +49,8 @@ class PagedDraftProposer:
         return min(valid + same, newest)
 
     @torch.inference_mode()
-    def propose(self, states, num_drafts: list[int], hidden: Optional[torch.Tensor]) -> list[list[int]]:
+    def propose(self, inp) -> list[list[int]]:
+        states, num_drafts = inp.states, inp.num_drafts
         active = [i for i, k in enumerate(num_drafts) if k > 0]
         drafts: list[list[int]] = [[] for _ in states]
         if not active:

@@ -1,18 +1,23 @@
 """What a proposer is, and the per-step view of a request it drafts for.
 
 A proposer turns each request's verified tokens (and, for head-based methods, the target's
-hidden state at its newest token) into up to ``num_drafts[i]`` draft tokens. Drafts are point
+hidden states: see tokenmill.spec.draft_input) into up to ``num_drafts[i]`` draft tokens. Drafts are point
 drafts (chosen greedily), which the rejection sampler verifies exactly for any sampling
 settings (see tokenmill.sample.rejection).
 
 ``needs_lookahead``: the proposer writes draft K/V into paged slots after the newest token, so
-the scheduler must hold ``k`` extra slots per running request (layer_skip, draft_model).
+the scheduler must hold ``k`` extra slots per running request (layer_skip, draft_model,
+eagle3).
+
+``aux_layers``: decoder layers whose outputs the proposer reads (EAGLE-3, DFlash). When not
+empty the runner captures them in every step and calls ``propose`` after every step with
+``DraftInput.features`` for all the requests it ran, drafting or not.
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Protocol
 
-import torch
+from tokenmill.spec.draft_input import DraftInput
 
 
 class DraftState(Protocol):
@@ -31,11 +36,10 @@ class DraftState(Protocol):
 
 class Proposer(Protocol):
     needs_lookahead: bool
+    aux_layers: tuple[int, ...]
 
-    def propose(self, states: list[DraftState], num_drafts: list[int],
-                hidden: Optional[torch.Tensor]) -> list[list[int]]:
-        """hidden [B, hidden_size]: the target's final hidden state at each request's newest
-        token's predecessor row (the row whose logits produced the newest token)."""
+    def propose(self, inp: DraftInput) -> list[list[int]]:
+        """One list of at most ``inp.num_drafts[i]`` tokens per ``inp.states[i]``."""
 
     def drop(self, req_ids) -> None:
         """Forget per-request state (finished, preempted or re-sent requests)."""

@@ -1,0 +1,87 @@
+"""What the runner hands a proposer after each step (built by the runner, read by spec/).
+
+Layer numbering: ``aux_layers`` are decoder-layer indices (0-based); the feature of layer l at
+a position is the residual stream *after* layer l there (before the final norm). In HF terms
+that is ``output_hidden_states[l + 1]`` (index 0 is the embeddings); loaders of published
+drafters convert their ids to this numbering.
+
+Row alignment: the feature row of position p is computed from tokens 0..p, so it predicts
+the token at p + 1. A proposer that keeps its own K/V (EAGLE-3, DFlash) indexes it by the
+target's block tables: entries that depend only on tokens <= their position stay valid
+under prefix caching (a cached block's entries were written when its tokens were verified).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class StepFeatures:
+    """Target features of the tokens a step verified, for every request it ran: a prefill
+    chunk's rows, a decode step's newest token, the accepted prefix of a verify run (the
+    rejected drafts' rows are left out). Requests that failed this step are left out."""
+
+    req_ids: list[str]
+    starts: list[int]               # position of each request's first verified row
+    counts: list[int]               # verified rows per request (>= 1)
+    token_ids: list[list[int]]      # the tokens at those positions
+    block_ids: list[list[int]]      # each request's block table (the target's)
+    aux: torch.Tensor               # [sum(counts), len(aux_layers) * hidden], request-major
+
+    def rows_of(self, index: int) -> torch.Tensor:
+        """[counts[index], len(aux_layers) * hidden]: request ``index``'s feature rows."""
+        start = sum(self.counts[:index])
+        return self.aux[start:start + self.counts[index]]
+
+
+@dataclass
+class DraftInput:
+    """One drafting call. ``states[i]`` / ``num_drafts[i]``: the requests to draft for now
+    (may be empty when only ``features`` are news). ``hidden[i]``: the target's final (post
+    norm) hidden state that produced request i's newest token. ``features``: present when the
+    proposer asked for ``aux_layers``; it covers every request the step ran, drafted now or
+    not, so a proposer can keep its context cache complete."""
+
+    states: list
+    num_drafts: list[int]
+    hidden: Optional[torch.Tensor] = None            # [len(states), hidden]
+    features: Optional[StepFeatures] = None
+    extra: dict = field(default_factory=dict)        # reserved for proposer-specific inputs
+
+
+class AuxCapture:
+    """Collects the residual stream after the chosen decoder layers during one forward
+    (the model's forward calls ``offer`` after each layer)."""
+
+    def __init__(self, layers: tuple[int, ...]) -> None:
+        self.layers = tuple(layers)
+        self._want = {layer: i for i, layer in enumerate(self.layers)}
+        self.rows: list[Optional[torch.Tensor]] = [None] * len(self.layers)
+
+    def offer(self, layer: int, x: torch.Tensor) -> None:
+        i = self._want.get(layer)
+        if i is not None:
+            self.rows[i] = x.float()
+
+    def wants(self, layer: int) -> bool:
+        return layer in self._want
+
+    def concat(self) -> torch.Tensor:
+        """[T, len(layers) * hidden], layers in the order asked."""
+        missing = [layer for layer, r in zip(self.layers, self.rows) if r is None]
+        if missing:
+            raise RuntimeError(f"the forward did not offer decoder layers {missing}")
+        return torch.cat(self.rows, dim=-1)
+
+
+def validate_aux_layers(layers: tuple[int, ...], num_layers: int, who: str) -> tuple[int, ...]:
+    """The ids as a tuple, or a clear error when one is outside the target's layers."""
+    layers = tuple(int(x) for x in layers)
+    bad = [x for x in layers if not 0 <= x < num_layers]
+    if bad:
+        raise ValueError(f"{who}: target layer ids {bad} outside the target's {num_layers} "
+                         f"decoder layers (0..{num_layers - 1})")
+    return layers
