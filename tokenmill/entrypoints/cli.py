@@ -1,4 +1,5 @@
-"""`tokenmill` command line: generate, chat, pull, upcycle."""
+"""`tokenmill` command line: generate, chat, pull, upcycle (serve, bench, verify-spec,
+train-drafter, quantize and env register their own parsers)."""
 from __future__ import annotations
 
 import argparse
@@ -292,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parsers(sub)
     from tokenmill.spec.cli import add_verify_spec_parser
     add_verify_spec_parser(sub)
+    from tokenmill.spec.train.cli import add_train_drafter_parser
+    add_train_drafter_parser(sub)
     from tokenmill.entrypoints.cli_quant import add_quant_parsers
     add_quant_parsers(sub)
     from tokenmill.entrypoints.cli_env import add_env_parser

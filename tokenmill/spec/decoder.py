@@ -209,7 +209,7 @@ def build_spec_decoder(config: SpeculativeConfig, runner, max_model_len: int, nu
     elif config.method == "medusa":
         heads = build_medusa(config.model, target, k, config.seed, runner.device)
         k = min(k, heads.num_heads)
-        proposer = MedusaProposer(heads)
+        proposer = MedusaProposer(heads, target)
     else:
         proposer = EagleProposer(build_eagle(config.model, target, config.seed, runner.device),
                                  target, runner.backend, runner.device)

@@ -35,24 +35,40 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int = 1) -> None:
+    """``shared_lm_head``: the heads end at their ResBlocks and share the target's LM head
+    (tokenmill's trained heads: on a CPU each own vocabulary projection would cost as much
+    memory traffic as the target's head, per head; config key ``medusa_shared_lm_head``)."""
+
+    def __init__(self, hidden: int, vocab: int, num_heads: int, num_layers: int = 1,
+                 shared_lm_head: bool = False) -> None:
         super().__init__()
+        self.shared_lm_head = shared_lm_head
+        projection = [] if shared_lm_head else [nn.Linear(hidden, vocab, bias=False)]
         self.medusa_head = nn.ModuleList(
-            nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)],
-                          nn.Linear(hidden, vocab, bias=False))
+            nn.Sequential(*[ResBlock(hidden) for _ in range(num_layers)], *projection)
             for _ in range(num_heads))
 
     @property
     def num_heads(self) -> int:
         return len(self.medusa_head)
 
+    def logits(self, hidden: torch.Tensor, k: int, target) -> torch.Tensor:
+        """hidden [B, H] -> [B, k, V]: heads 0..k-1 (head i guesses i + 1 places past the
+        token ``hidden`` produced)."""
+        outs = torch.stack([self.medusa_head[i](hidden) for i in range(k)], dim=1)
+        if not self.shared_lm_head:
+            return outs.float()
+        b, _, h = outs.shape
+        rows = outs.reshape(b * k, h).to(target.model.norm.weight.dtype)
+        return target.compute_logits(rows).view(b, k, -1)
+
 
 class MedusaProposer:
     needs_lookahead = False
     aux_layers = ()
 
-    def __init__(self, heads: MedusaHeads) -> None:
-        self.heads = heads
+    def __init__(self, heads: MedusaHeads, target) -> None:
+        self.heads, self.target = heads, target
 
     @torch.inference_mode()
     def propose(self, inp) -> list[list[int]]:
@@ -60,9 +76,11 @@ class MedusaProposer:
         k = max(num_drafts, default=0)
         if k == 0:
             return [[] for _ in states]
-        guesses = torch.stack([self.heads.medusa_head[i](hidden.float()).argmax(dim=-1)
-                               for i in range(k)], dim=1).tolist()   # [B, k]
+        guesses = self.heads.logits(hidden.to(self._dtype()), k, self.target).argmax(-1).tolist()
         return [g[:n] for g, n in zip(guesses, num_drafts)]
+
+    def _dtype(self) -> torch.dtype:
+        return next(self.heads.parameters()).dtype
 
     def drop(self, req_ids) -> None:
         pass
@@ -154,9 +172,21 @@ def build_medusa(path: Optional[str], target: LlamaForCausalLM, num_heads: int, 
         return heads.to(device).eval()
     cfg, tensors = _read_dir(path)
     heads = MedusaHeads(a.hidden_size, a.vocab_size, cfg.get("medusa_num_heads", num_heads),
-                        cfg.get("medusa_num_layers", 1))
+                        cfg.get("medusa_num_layers", 1), bool(cfg.get("medusa_shared_lm_head", False)))
     heads.load_state_dict(dict(tensors))
     return heads.to(device).eval()
+
+
+def save_medusa(heads: MedusaHeads, path: str) -> None:
+    """The layout ``build_medusa`` (and Medusa's own loaders, for unshared heads) read."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    num_layers = len(heads.medusa_head[0]) - (0 if heads.shared_lm_head else 1)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"medusa_num_heads": heads.num_heads, "medusa_num_layers": num_layers,
+                   "medusa_shared_lm_head": heads.shared_lm_head}, f, indent=1)
+    save_file({k: v.detach().float().contiguous() for k, v in heads.state_dict().items()},
+              os.path.join(path, "model.safetensors"))
 
 
 def build_eagle(path: Optional[str], target: LlamaForCausalLM, seed: int, device) -> EagleHead:

@@ -1,0 +1,129 @@
+"""Drafter training on a tiny target: the self-distillation data (cached continuations, hidden
+states aligned with positions), the shared loop (a resumed run ends with the same weights as
+an uninterrupted one), and a trained Medusa drafter that is both exact and accepted."""
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.spec.train.data import prepare, split_heldout
+from tokenmill.spec.train.medusa_recipe import MedusaRecipe
+from tokenmill.spec.train.target_ops import head_logits
+from tokenmill.spec.train.trainer import TrainConfig, Trainer, tau_of
+
+PROMPTS = [[random.Random(i).randrange(3, 380) for _ in range(random.Random(-i).randrange(4, 12))]
+           for i in range(64)]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    from tests.conftest import save_tiny_llama
+    path = tmp_path_factory.mktemp("train_target")
+    # small weights: greedy continuations with structure (runs, cycles) a drafter can learn
+    save_tiny_llama(path, num_hidden_layers=4, seed=3, initializer_range=0.12)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llm(target_dir):
+    return LLM(model=target_dir, skip_tokenizer_init=True, num_kv_blocks=256, max_num_seqs=32)
+
+
+@pytest.fixture(scope="module")
+def data(llm, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("drafter_data"))
+    seqs = prepare(llm, folder, (1, 3), len(PROMPTS), 24, 64, 0, "tiny", prompts=PROMPTS)
+    return folder, seqs
+
+
+def test_data_is_the_targets_greedy_continuation_with_aligned_features(llm, data):
+    folder, seqs = data
+    assert len(seqs) == len(PROMPTS)
+    target = llm.engine.model
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]],
+                        SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)
+    for seq, prompt, out in zip(seqs, PROMPTS, outs):
+        assert seq.token_ids.tolist() == prompt + list(out.outputs[0].token_ids)
+        assert seq.prompt_len == len(prompt)
+        assert seq.aux.shape == (seq.num_tokens, 2 * 64) and seq.final.shape == (seq.num_tokens, 64)
+        # row p predicts token p + 1: greedy, so the head's argmax is the next token
+        pred = head_logits(target, seq.final).argmax(-1)
+        assert torch.equal(pred[seq.prompt_len - 1:-1], seq.token_ids[seq.prompt_len:])
+    # the continuations are cached: asking again reads the file, not the target
+    before = os.path.getmtime(os.path.join(folder, "continuations.json"))
+    again = prepare(llm, folder, (1, 3), len(PROMPTS), 24, 64, 0, "tiny", prompts=PROMPTS)
+    assert os.path.getmtime(os.path.join(folder, "continuations.json")) == before
+    assert all(torch.equal(a.aux, b.aux) for a, b in zip(seqs, again))
+
+
+def test_layer_ids_outside_the_target_are_refused():
+    from tokenmill.spec.draft_input import validate_aux_layers
+    with pytest.raises(ValueError, match="outside the target"):
+        validate_aux_layers((1, 4), 4, "eagle3")
+
+
+class _Interrupt(Exception):
+    pass
+
+
+class _StopAt(MedusaRecipe):
+    def __init__(self, stop: int) -> None:
+        self.stop, self.calls = stop, 0
+
+    def loss(self, heads, target, batch):
+        self.calls += 1
+        if self.calls == self.stop:
+            raise _Interrupt
+        return super().loss(heads, target, batch)
+
+
+def test_a_resumed_run_ends_with_the_uninterrupted_runs_weights(llm, data, tmp_path):
+    _, seqs = data
+    cfg = TrainConfig(steps=8, batch_sequences=4, checkpoint_every=3, eval_every=4, k=2)
+    target = llm.engine.model
+    whole = Trainer(MedusaRecipe(), target, seqs, seqs[:2], cfg, str(tmp_path / "a"), progress=False)
+    whole.run()
+    with pytest.raises(_Interrupt):
+        Trainer(_StopAt(5), target, seqs, seqs[:2], cfg, str(tmp_path / "b"), progress=False).run()
+    resumed = Trainer(MedusaRecipe(), target, seqs, seqs[:2], cfg, str(tmp_path / "b"), progress=False)
+    resumed.run()
+    assert resumed.log[0]["step"] == 1 and len(resumed.log) == 8
+    for (name, a), (_, b) in zip(whole.drafter.state_dict().items(), resumed.drafter.state_dict().items()):
+        assert torch.equal(a, b), name
+    other = TrainConfig(steps=9, batch_sequences=4, checkpoint_every=3, eval_every=4, k=2)
+    with pytest.raises(ValueError, match="another run"):
+        Trainer(MedusaRecipe(), target, seqs, seqs[:2], other, str(tmp_path / "b"), progress=False).run()
+    for name in ("training_curves.png", "training_log.json", "config.json", "model.safetensors"):
+        assert os.path.isfile(tmp_path / "b" / name)
+
+
+def test_trained_medusa_is_accepted_on_heldout_prompts_and_exact(llm, data, target_dir, tmp_path):
+    _, seqs = data
+    train, heldout = split_heldout(seqs, 0.2, seed=0)
+    cfg = TrainConfig(steps=150, batch_sequences=8, lr=3e-3, eval_every=150, k=3,
+                      options={"num_heads": 3})
+    trainer = Trainer(MedusaRecipe(), llm.engine.model, train, heldout, cfg, str(tmp_path),
+                      progress=False)
+    summary = trainer.run()
+    assert summary["heldout_tau"] > 1.5, summary
+    # it learned (the heads start as identity maps, which already guess runs of one token)
+    first = sum(r["loss"] for r in trainer.log[:10]) / 10
+    assert summary["final_loss"] < 0.7 * first, (first, summary["final_loss"])
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["medusa_shared_lm_head"] is True
+    # served: greedy output identical to the target alone, drafts accepted on held-out prompts
+    spec = LLM(model=target_dir, skip_tokenizer_init=True, num_kv_blocks=256,
+               speculative_config=dict(method="medusa", model=str(tmp_path),
+                                       num_speculative_tokens=3, adaptive=False))
+    prompts = [{"prompt_token_ids": s.token_ids[:s.prompt_len].tolist()} for s in heldout]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == ref
+    assert spec.get_stats()["spec_mean_acceptance_length"] > 1.5
+
+
+def test_tau_counts_the_targets_own_token():
+    assert tau_of([0.5, 0.25]) == 1.75

@@ -1,0 +1,181 @@
+"""Self-distillation data for drafters: the target's own greedy continuations of ShareGPT
+prompts (calibration split only; `bench spec` measures on the benchmark split), and the
+target's hidden states over prompt + continuation, both cached on disk.
+
+Layout of a data directory:
+- ``continuations.json``: {"model", "num_prompts", "max_tokens", "seed", "sequences":
+  [{"prompt": [ids], "output": [ids]}]} — generated once by tokenmill in batch;
+- ``features-<layers>/``: ``aux.npy`` float16 [total, len(layers) * hidden] (the outputs of
+  those decoder layers, tokenmill.spec.draft_input numbering), ``final.npy`` float16
+  [total, hidden] (after the final norm), ``offsets.npy`` int64 [num_sequences + 1].
+A sequence's rows are positions 0..N-1 of prompt + continuation; row p is computed from
+tokens 0..p. Everything is recomputed when the directory's facts differ from the request.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+
+@dataclass
+class TrainSequence:
+    token_ids: torch.Tensor     # [N] int64: prompt + the target's continuation
+    prompt_len: int             # the continuation starts here
+    aux: torch.Tensor           # [N, len(layers) * hidden] float32
+    final: torch.Tensor         # [N, hidden] float32, the target's post-norm hidden states
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+
+def calibration_prompts(tokenizer, num: int, max_prompt_tokens: int, seed: int,
+                        cache_dir: Optional[str] = None) -> list[list[int]]:
+    """Chat-templated opening user turns of ShareGPT's calibration split (shuffled by
+    ``seed``), each at most ``max_prompt_tokens`` tokens."""
+    from tokenmill.data.sharegpt import conversations
+    convs = conversations("calibration", cache_dir)
+    random.Random(seed).shuffle(convs)
+    prompts = []
+    for conv in convs:
+        text = conv[0]["content"].strip()
+        if not text:
+            continue
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True)
+        if len(ids) <= max_prompt_tokens:
+            prompts.append(list(ids))
+        if len(prompts) == num:
+            break
+    return prompts
+
+
+def generate_continuations(llm, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """The target's greedy continuations (stopping at its end-of-sequence token)."""
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
+    return [{"prompt": p, "output": list(o.outputs[0].token_ids)} for p, o in zip(prompts, outs)]
+
+
+@torch.inference_mode()
+def extract_features(runner, sequences: list[list[int]], layers: tuple[int, ...],
+                     max_batch_tokens: int = 2048):
+    """Yields (aux [N, len(layers) * hidden], final [N, hidden]) per sequence: the target run
+    over the whole sequence as one prefill, through the model's modules, with a private
+    cache (the runner's own cache and requests are not touched)."""
+    from tokenmill.runner.kv_tensors import allocate_kv_caches
+    from tokenmill.spec.draft_input import AuxCapture
+    model, backend, bs = runner.model, runner.backend, runner.block_size
+    a = model.args
+    batch: list[list[int]] = []
+    for seq in sequences + [None]:
+        if seq is not None and (not batch or sum(map(len, batch)) + len(seq) <= max_batch_tokens):
+            batch.append(seq)
+            continue
+        lens = [len(s) for s in batch]
+        blocks = [-(-n // bs) for n in lens]
+        caches = allocate_kv_caches(a.num_hidden_layers, sum(blocks), bs, model.num_kv_heads,
+                                    a.head_dim, torch.float32, runner.device)
+        firsts = np.cumsum([0] + blocks)
+        tables = [list(range(int(f), int(f) + b)) for f, b in zip(firsts, blocks)]
+        meta = backend.build_metadata(lens, lens, tables, bs, runner.device)
+        ids = torch.tensor([t for s in batch for t in s], dtype=torch.int64)
+        positions = torch.tensor([p for n in lens for p in range(n)], dtype=torch.int64)
+        capture = AuxCapture(layers) if layers else None
+        final = model(ids, positions, caches, meta, backend, aux=capture).float()
+        aux = capture.concat() if layers else final.new_zeros(final.shape[0], 0)
+        start = 0
+        for n in lens:
+            yield aux[start:start + n], final[start:start + n]
+            start += n
+        batch = [seq] if seq is not None else []
+
+
+def _layers_key(layers) -> str:
+    return "-".join(str(x) for x in layers)
+
+
+def write_features(runner, data_dir: str, seqs: list[dict], layers: tuple[int, ...]) -> str:
+    """Computes and stores the features of every sequence (float16); returns their folder."""
+    from tqdm import tqdm
+    folder = os.path.join(data_dir, f"features-{_layers_key(layers)}")
+    lengths = [len(s["prompt"]) + len(s["output"]) for s in seqs]
+    offsets = np.cumsum([0] + lengths).astype(np.int64)
+    if os.path.isfile(os.path.join(folder, "done")):
+        if np.array_equal(np.load(os.path.join(folder, "offsets.npy")), offsets):
+            return folder
+    os.makedirs(folder, exist_ok=True)
+    h = runner.model.args.hidden_size
+    total = int(offsets[-1])
+    aux = np.lib.format.open_memmap(os.path.join(folder, "aux.npy"), "w+", np.float16,
+                                    (total, len(layers) * h))
+    final = np.lib.format.open_memmap(os.path.join(folder, "final.npy"), "w+", np.float16, (total, h))
+    rows = extract_features(runner, [s["prompt"] + s["output"] for s in seqs], layers)
+    for i, (a, f) in enumerate(tqdm(rows, total=len(seqs), desc="target hidden states")):
+        aux[offsets[i]:offsets[i + 1]] = a.numpy().astype(np.float16)
+        final[offsets[i]:offsets[i + 1]] = f.numpy().astype(np.float16)
+    aux.flush()
+    final.flush()
+    np.save(os.path.join(folder, "offsets.npy"), offsets)
+    open(os.path.join(folder, "done"), "w").close()
+    return folder
+
+
+def load_sequences(data_dir: str, layers: tuple[int, ...]) -> list[TrainSequence]:
+    """The cached continuations with their features (memory-mapped, widened per sequence)."""
+    with open(os.path.join(data_dir, "continuations.json")) as f:
+        seqs = json.load(f)["sequences"]
+    folder = os.path.join(data_dir, f"features-{_layers_key(layers)}")
+    aux = np.load(os.path.join(folder, "aux.npy"), mmap_mode="r")
+    final = np.load(os.path.join(folder, "final.npy"), mmap_mode="r")
+    offsets = np.load(os.path.join(folder, "offsets.npy"))
+    out = []
+    for i, s in enumerate(seqs):
+        lo, hi = int(offsets[i]), int(offsets[i + 1])
+        out.append(TrainSequence(torch.tensor(s["prompt"] + s["output"], dtype=torch.int64),
+                                 len(s["prompt"]), torch.from_numpy(aux[lo:hi].astype(np.float32)),
+                                 torch.from_numpy(final[lo:hi].astype(np.float32))))
+    return out
+
+
+def prepare(llm, data_dir: str, layers: tuple[int, ...], num_prompts: int, max_tokens: int,
+            max_prompt_tokens: int, seed: int, model_name: str,
+            prompts: Optional[list[list[int]]] = None) -> list[TrainSequence]:
+    """Continuations (cached in ``data_dir`` unless its facts differ) + features for
+    ``layers`` -> sequences. ``prompts``: token-id prompts instead of ShareGPT's (tests)."""
+    os.makedirs(data_dir, exist_ok=True)
+    path = os.path.join(data_dir, "continuations.json")
+    facts = {"model": model_name, "num_prompts": num_prompts, "max_tokens": max_tokens,
+             "max_prompt_tokens": max_prompt_tokens, "seed": seed,
+             "source": "ids" if prompts is not None else "sharegpt-calibration"}
+    cached = None
+    if os.path.isfile(path):
+        with open(path) as f:
+            cached = json.load(f)
+    if cached is None or {k: cached.get(k) for k in facts} != facts:
+        if prompts is None:
+            prompts = calibration_prompts(llm.get_tokenizer(), num_prompts, max_prompt_tokens, seed)
+        seqs = generate_continuations(llm, prompts[:num_prompts], max_tokens)
+        with open(path + ".tmp", "w") as f:
+            json.dump({**facts, "sequences": seqs}, f)
+        os.replace(path + ".tmp", path)
+    else:
+        seqs = cached["sequences"]
+    write_features(llm.engine.runner, data_dir, seqs, tuple(layers))
+    return load_sequences(data_dir, tuple(layers))
+
+
+def split_heldout(seqs: list[TrainSequence], fraction: float, seed: int):
+    """(train, held-out): a seeded random ``fraction`` of the sequences held out."""
+    order = list(range(len(seqs)))
+    random.Random(seed).shuffle(order)
+    n = max(1, int(round(len(seqs) * fraction))) if len(seqs) > 1 else 0
+    held = set(order[:n])
+    return [s for i, s in enumerate(seqs) if i not in held], [s for i, s in enumerate(seqs) if i in held]

@@ -1,0 +1,140 @@
+"""DFlash drafter trained on the target's own continuations by masked block denoising (z-lab's
+objective, as in their SpecForge training): pick anchor positions a inside the continuation;
+the block [token a, MASK, ..., MASK] at positions a..a+bs-1 sees the target's features at
+positions < a (exactly what the engine has when a is the newest token) and itself; block row j
+learns the token at a + j by cross-entropy, weighted exp(-(j - 1) / gamma) because a draft
+only counts when every earlier one was accepted. The target's embeddings and LM head stay
+frozen; logits are computed only at the labelled block rows (the LM head is most of the cost).
+
+Options: num_layers (2), block_size (8), blocks_per_sequence (4: anchors per sequence and
+step), loss_decay_gamma (block_size / 2, z-lab's suggestion: 7 for 16, 4 for 8),
+mask_token_id (default: the last id, see tokenmill.spec.dflash.config_for_target). Draft
+layers start random like z-lab's (N(0, 0.02)); their shapes are the target's layers'.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.spec.dflash import config_for_target, save_dflash, target_dtype
+from tokenmill.spec.dflash_model import DFlashDrafter, init_weights, spread_layer_ids
+
+_OPTIONS = ("num_layers", "block_size", "blocks_per_sequence", "loss_decay_gamma", "mask_token_id")
+
+
+def head_logits(target, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [N, hidden] -> float logits [N, V] through the target's (frozen) LM head, with
+    the gradient w.r.t. ``hidden`` kept: a head with a oneDNN-prepacked weight
+    (tokenmill.layers.prepacked) runs an op without an autograd kernel, which would silently
+    drop it, so then the plain weight is used."""
+    head = target.lm_head
+    if hidden.requires_grad and getattr(head, "prepacked", None) is not None:
+        return F.linear(hidden.to(head.weight.dtype), head.weight, getattr(head, "bias", None)).float()
+    return target.compute_logits(hidden.to(target_dtype(target))).float()
+
+
+class DFlashRecipe:
+    method = "dflash"
+
+    def aux_layers(self, target) -> tuple[int, ...]:
+        """Five target layers spread from layer 1 to L - 3 (z-lab's published drafters read 5)."""
+        return spread_layer_ids(target.args.num_hidden_layers, 5)
+
+    def build(self, target, options: dict, seed: int, data=None) -> DFlashDrafter:
+        unknown = sorted(set(options) - set(_OPTIONS))
+        if unknown:
+            raise ValueError(f"dflash: unknown options {unknown}; known: {list(_OPTIONS)}")
+        config = config_for_target(target, int(options.get("num_layers", 2)),
+                                   int(options.get("block_size", 8)), self.aux_layers(target),
+                                   options.get("mask_token_id"))
+        self.per_sequence = int(options.get("blocks_per_sequence", 4))
+        self.gamma = float(options.get("loss_decay_gamma", config.block_size / 2))
+        self.rng = random.Random(seed)
+        return init_weights(DFlashDrafter(config), seed).float()
+
+    # -- the block forward over one sequence ---------------------------------------------------
+    @staticmethod
+    def _anchors(seq, limit: int, rng=None) -> list[int]:
+        """Positions a in the continuation with at least one token after them: ``limit`` drawn
+        at random (training) or spread evenly (evaluation, ``rng`` None)."""
+        lo, hi = seq.prompt_len, seq.num_tokens - 2
+        if hi < lo:
+            return []
+        count = hi - lo + 1
+        if count <= limit:
+            return list(range(lo, hi + 1))
+        if rng is not None:
+            return sorted(rng.sample(range(lo, hi + 1), limit))
+        return [lo + (i * (count - 1)) // max(limit - 1, 1) for i in range(limit)]
+
+    @staticmethod
+    def blocks(drafter: DFlashDrafter, target, seq, anchors: list[int]) -> torch.Tensor:
+        """[A, block_size, hidden]: the drafter's outputs for blocks anchored at ``anchors``, all
+        in one attention call: queries are every block's rows, keys [context ; all blocks];
+        a row sees the context before its own anchor and its own block only."""
+        bs, num = drafter.block_size, len(anchors)
+        dev = drafter.fc.weight.device
+        a = torch.tensor(anchors, dtype=torch.int64, device=dev)
+        width = max(anchors)                                  # context rows any block reads
+        ctx = drafter.context_kv(seq.aux[:width].to(dev)[None],
+                                 torch.arange(width, device=dev)[None])
+        x = drafter.block_input(target.model.embed_tokens, seq.token_ids.to(dev)[a])
+        positions = (a[:, None] + torch.arange(bs, device=dev)).reshape(1, -1)
+        row_anchor = a.repeat_interleave(bs)                  # [A * bs]
+        row_block = torch.arange(num * bs, device=dev) // bs
+        mask = torch.cat([torch.arange(width, device=dev)[None, :] < row_anchor[:, None],
+                          row_block[:, None] == row_block[None, :]], dim=1)
+        h = drafter(x.reshape(1, num * bs, -1), positions, ctx, mask[None])
+        return h.view(num, bs, -1)
+
+    # -- training ------------------------------------------------------------------------------
+    def loss(self, drafter: DFlashDrafter, target, batch) -> tuple[torch.Tensor, dict]:
+        rows, labels, weights = [], [], []
+        decay = [math.exp(-(j - 1) / self.gamma) for j in range(drafter.block_size)]
+        for seq in batch:
+            anchors = self._anchors(seq, self.per_sequence, self.rng)
+            if not anchors:
+                continue
+            h = self.blocks(drafter, target, seq, anchors)
+            for b, a in enumerate(anchors):
+                n = min(drafter.block_size - 1, seq.num_tokens - 1 - a)   # labelled rows 1..n
+                rows.append(h[b, 1:1 + n])
+                labels.append(seq.token_ids[a + 1:a + 1 + n])
+                weights.extend(decay[1:1 + n])
+        if not rows:
+            raise ValueError("dflash: no continuation long enough to train on")
+        logits = head_logits(target, torch.cat(rows))
+        labels = torch.cat(labels).to(logits.device)
+        w = torch.tensor(weights, device=logits.device)
+        loss = (F.cross_entropy(logits, labels, reduction="none") * w).sum() / w.sum()
+        acc = (logits.argmax(-1) == labels).float().mean()
+        return loss, {"loss": float(loss.detach()), "acc": float(acc)}
+
+    @torch.no_grad()
+    def acceptance(self, drafter: DFlashDrafter, target, seqs, k: int) -> list[float]:
+        """Held-out greedy acceptance: at up to 16 evenly spread anchors per sequence, draft a
+        block and count the leading drafts equal to the sequence's tokens. Entry j: the share
+        of blocks whose drafts 1..j+1 all matched (0 past the block's block_size - 1 drafts)."""
+        hits, total = [0] * k, 0
+        n = min(k, drafter.block_size - 1)
+        for seq in seqs:
+            anchors = self._anchors(seq, 16)
+            if not anchors:
+                continue
+            h = self.blocks(drafter, target, seq, anchors)[:, 1:1 + n]
+            guesses = head_logits(target, h.reshape(-1, h.shape[-1]))
+            guesses = guesses.argmax(-1).view(len(anchors), n).tolist()
+            tokens = seq.token_ids.tolist()
+            for a, guess in zip(anchors, guesses):
+                total += 1
+                for j in range(n):
+                    if a + 1 + j >= len(tokens) or guess[j] != tokens[a + 1 + j]:
+                        break
+                    hits[j] += 1
+        return [h / max(total, 1) for h in hits]
+
+    def save(self, drafter: DFlashDrafter, target, out_dir: str) -> None:
+        save_dflash(drafter, out_dir, vocab_size=target.args.vocab_size)
