@@ -127,3 +127,35 @@ def test_trained_medusa_is_accepted_on_heldout_prompts_and_exact(llm, data, targ
 
 def test_tau_counts_the_targets_own_token():
     assert tau_of([0.5, 0.25]) == 1.75
+
+
+def test_dense_training_stack_computes_the_targets_hidden_states(llm, data):
+    from tokenmill.spec.train.dense_llama import DenseLlama
+    _, seqs = data
+    target = llm.engine.model
+    full = DenseLlama.from_target(target, target.args.num_hidden_layers)
+    with torch.no_grad():
+        for seq in seqs[:3]:
+            out = full(target.model.embed_tokens(seq.token_ids).float())
+            torch.testing.assert_close(out, seq.final, atol=5e-3, rtol=1e-3)   # stored as fp16
+
+
+def test_distilled_draft_model_learns_and_serves_exactly(llm, data, target_dir, tmp_path):
+    from tokenmill.spec.train.distill_recipe import DistillRecipe
+    _, seqs = data
+    train, heldout = split_heldout(seqs, 0.2, seed=0)
+    cfg = TrainConfig(steps=40, batch_sequences=8, lr=2e-3, eval_every=40, k=3,
+                      options={"num_layers": 1})
+    trainer = Trainer(DistillRecipe(), llm.engine.model, train, heldout, cfg, str(tmp_path), progress=False)
+    summary = trainer.run()
+    first = sum(r["loss"] for r in trainer.log[:5]) / 5
+    assert summary["final_loss"] < 0.8 * first, (first, summary["final_loss"])
+    assert len(summary["heldout_acceptance"]) == 3 and summary["heldout_tau"] > 1.0
+    spec = LLM(model=target_dir, skip_tokenizer_init=True, num_kv_blocks=256,
+               speculative_config=dict(method="draft_model", model=str(tmp_path),
+                                       num_speculative_tokens=3, adaptive=False))
+    prompts = [{"prompt_token_ids": s.token_ids[:s.prompt_len].tolist()} for s in heldout]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == ref
+    assert spec.get_stats()["spec_mean_acceptance_length"] > 1.0

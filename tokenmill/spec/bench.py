@@ -58,12 +58,14 @@ GROUNDED_TASKS = {
     "rewrite": "Here is a text:\n\n{text}\n\nRewrite the text above, keeping every sentence.",
     "answer": "Here is a text:\n\n{text}\n\nUsing only the text above, answer: {question}",
 }
-METHODS = ("ngram", "layer_skip", "draft_model")
+METHODS = ("ngram", "layer_skip", "draft_model", "medusa", "eagle3", "dflash")
+TRAINED = ("draft_model", "medusa", "eagle3", "dflash")   # need a checkpoint (--drafter)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("spec", help="speculative decoding speedup vs none (ngram, layer_skip, "
-                                    "draft_model; adaptive_<method> for adaptive k)")
+                                    "draft_model, medusa, eagle3, dflash; adaptive_<method> for "
+                                    "adaptive k)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--min-prompts", type=int, default=4,
@@ -76,6 +78,10 @@ def add_parser(sub) -> None:
                    help=f"comma list of {', '.join(METHODS)}, each optionally adaptive_<method>")
     p.add_argument("--layer-skip-layers", type=int, default=8)
     p.add_argument("--draft-model", default=None, help="checkpoint for draft_model")
+    p.add_argument("--drafter", action="append", default=[], metavar="METHOD=DIR",
+                   help="trained drafter for medusa / eagle3 / dflash / draft_model (the output "
+                        "of tokenmill train-drafter; its train_summary.json gives the training "
+                        "time in the rows), repeatable")
     p.add_argument("--workloads", default="grounded,chat")
     p.add_argument("--temperature", default="0",
                    help="comma list of temperatures; 0 is always measured (e.g. --temperature 1)")
@@ -87,16 +93,44 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _drafter_dirs(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        method, sep, path = item.partition("=")
+        if not sep or method not in TRAINED:
+            raise ValueError(f"--drafter wants METHOD=DIR with METHOD one of {TRAINED}, got {item!r}")
+        out[method] = path
+    return out
+
+
+def training_facts(path) -> dict:
+    """Training time and held-out tau from a train-drafter output directory, if it has them."""
+    import json
+    import os
+    summary = os.path.join(path or "", "train_summary.json")
+    if not path or not os.path.isfile(summary):
+        return {}
+    with open(summary) as f:
+        s = json.load(f)
+    return {"train_seconds": s.get("train_seconds"), "data_seconds": s.get("data_seconds"),
+            "heldout_tau": s.get("heldout_tau")}
+
+
 def _configs(names: list[str], args) -> dict:
     from tokenmill.config import SpeculativeConfig
+    drafters = _drafter_dirs(args.drafter)
     out = {}
     for name in names:
         method = name.removeprefix("adaptive_")
         if method not in METHODS:
             raise ValueError(f"unknown method {name!r}; choose from {METHODS} (or adaptive_<method>)")
         extra = {"ngram": dict(prompt_lookup_min=2, prompt_lookup_max=4),
-                 "layer_skip": dict(num_layers=args.layer_skip_layers),
-                 "draft_model": dict(model=args.draft_model)}[method]
+                 "layer_skip": dict(num_layers=args.layer_skip_layers)}.get(method, {})
+        if method in TRAINED:
+            path = drafters.get(method) or (args.draft_model if method == "draft_model" else None)
+            if not path:
+                raise ValueError(f"method {name!r} needs a trained drafter: --drafter {method}=DIR")
+            extra = dict(model=path)
         out[name] = SpeculativeConfig(method=method, num_speculative_tokens=args.k,
                                       adaptive=name.startswith("adaptive_"), **extra)
     return out
@@ -194,6 +228,15 @@ def _row_stats(dec, rounds: list[float], ratios: list[float], same: float) -> di
             "k_chosen": " ".join(f"{k}:{n}" for k, n in sorted(s.k_chosen.items()))}
 
 
+def _salted(prompts: list[dict], dec, name: str) -> list[dict]:
+    """A drafter that keeps its own context cache (EAGLE-3, DFlash) writes it while the target
+    computes the prompt; prompt blocks cached by another method's run would leave it empty.
+    Its runs get their own prefix-cache entries (a cache salt), warmed up by its own round 0."""
+    if dec is None or not dec.proposer.aux_layers:
+        return prompts
+    return [dict(p, cache_salt=f"bench-spec-{name}") for p in prompts]
+
+
 def _measure(llm, decoders: dict, prompts, params, args, bar) -> dict:
     """Interleaved rounds; returns method -> row fields."""
     engine = llm.engine
@@ -202,7 +245,7 @@ def _measure(llm, decoders: dict, prompts, params, args, bar) -> dict:
     for rep in range(args.repeats + 1):            # round 0 is the warm-up
         for name, dec in decoders.items():
             _use(engine, dec)
-            rate, tokens = _generate(llm, prompts, params)
+            rate, tokens = _generate(llm, _salted(prompts, dec, name), params)
             bar.update()
             if rep == 0:
                 outputs[name] = tokens
@@ -254,9 +297,10 @@ def run(args) -> int:
                 engine.scheduler.config = full_sched
                 load = machine_info()["load_avg_1m"]
                 for method, fields in measured.items():
+                    trained = training_facts(configs[method].model) if method in configs else {}
                     row = {"config": f"{workload} T={temp:g} b={batch} {method}", "workload": workload,
                            "temperature": temp, "batch": batch, "method": method, **fields,
-                           "load_avg_1m": load}
+                           **trained, "load_avg_1m": load}
                     print(row, file=sys.stderr, flush=True)
                     result["rows"].append(row)
     bar.close()

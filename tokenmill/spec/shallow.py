@@ -26,17 +26,21 @@ def save_shallow_copy(model, num_layers: int, path: str) -> str:
         tensors.update(_unfused(model, name, param.detach().float().contiguous()))
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "model.safetensors"))
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-           "vocab_size": a.vocab_size, "hidden_size": a.hidden_size,
-           "intermediate_size": a.intermediate_size, "num_hidden_layers": num_layers,
-           "num_attention_heads": a.num_attention_heads,
-           "num_key_value_heads": a.num_key_value_heads, "head_dim": a.head_dim,
-           "rms_norm_eps": a.rms_norm_eps, "rope_theta": a.rope_theta,
-           "rope_scaling": a.rope_scaling, "max_position_embeddings": a.max_position_embeddings,
-           "tie_word_embeddings": a.tie_word_embeddings, "torch_dtype": "float32"}
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=1)
+        json.dump(llama_config(a, num_layers), f, indent=1)
     return path
+
+
+def llama_config(a, num_layers: int) -> dict:
+    """An HF Llama config.json for ``num_layers`` layers of a model with args ``a``."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+            "vocab_size": a.vocab_size, "hidden_size": a.hidden_size,
+            "intermediate_size": a.intermediate_size, "num_hidden_layers": num_layers,
+            "num_attention_heads": a.num_attention_heads,
+            "num_key_value_heads": a.num_key_value_heads, "head_dim": a.head_dim,
+            "rms_norm_eps": a.rms_norm_eps, "rope_theta": a.rope_theta,
+            "rope_scaling": a.rope_scaling, "max_position_embeddings": a.max_position_embeddings,
+            "tie_word_embeddings": a.tie_word_embeddings, "torch_dtype": "float32"}
 
 
 def _unfused(model, name: str, tensor: torch.Tensor) -> dict:
