@@ -17,6 +17,8 @@ METHODS = {
     "draft_model": dict(method="draft_model"),      # model filled in: a second tiny model
     "medusa": dict(method="medusa"),
     "eagle": dict(method="eagle"),
+    "eagle3": dict(method="eagle3"),       # random head with its own paged KV
+    "dflash": dict(method="dflash"),       # random drafter (one layer, blocks of 16)
 }
 
 

@@ -77,6 +77,13 @@ class AuxCapture:
         return torch.cat(self.rows, dim=-1)
 
 
+def paged_slots(block_ids: list[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """positions [N] -> cache slots [N] through one request's block table (a drafter's own
+    paged tensors are indexed like the target's)."""
+    table = torch.tensor(block_ids, dtype=torch.int64)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
 def validate_aux_layers(layers: tuple[int, ...], num_layers: int, who: str) -> tuple[int, ...]:
     """The ids as a tuple, or a clear error when one is outside the target's layers."""
     layers = tuple(int(x) for x in layers)

@@ -8,24 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.rotary import RotaryEmbedding
-
-
-class _RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [.., N, D] with cos / sin [N, D] (rotate-half layout, as HF and tokenmill)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+from tokenmill.spec.trainable import RMSNorm, Rotary, SwiGLU, rotate
 
 
 class _Attention(nn.Module):
@@ -39,35 +22,22 @@ class _Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]   # x [N, H]: one sequence
-        q = self.q_proj(x).view(n, self.heads, self.head_dim).transpose(0, 1)
-        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim).transpose(0, 1)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        group = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        n = x.shape[0]   # x [N, H]: one sequence; cos, sin [N, D]
+        q = rotate(self.q_proj(x).view(n, self.heads, self.head_dim), cos, sin)
+        k = rotate(self.k_proj(x).view(n, self.kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             is_causal=True, enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(0, 1).reshape(n, -1))
-
-
-class _MLP(nn.Module):
-    def __init__(self, a) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class _Layer(nn.Module):
     def __init__(self, a) -> None:
         super().__init__()
         self.self_attn = _Attention(a)
-        self.mlp = _MLP(a)
-        self.input_layernorm = _RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.post_attention_layernorm = _RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = SwiGLU(a.hidden_size, a.intermediate_size)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
     def forward(self, x, cos, sin) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -78,7 +48,7 @@ class _Stack(nn.Module):
     def __init__(self, a, num_layers: int) -> None:
         super().__init__()
         self.layers = nn.ModuleList(_Layer(a) for _ in range(num_layers))
-        self.norm = _RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
 
 
 class DenseLlama(nn.Module):
@@ -89,17 +59,11 @@ class DenseLlama(nn.Module):
         super().__init__()
         self.args, self.num_layers = a, num_layers
         self.model = _Stack(a, num_layers)
-        rope = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rope_scaling)
-        self.register_buffer("cos", rope.cos, persistent=False)
-        self.register_buffer("sin", rope.sin, persistent=False)
+        self.rotary = Rotary(a.head_dim, a.rope_theta, a.rope_scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H] embeddings of one sequence at positions 0..N-1 -> post-norm [N, H]."""
-        n = x.shape[0]
-        if n > self.cos.shape[0]:
-            raise ValueError(f"sequence of {n} tokens is longer than the model's "
-                             f"{self.cos.shape[0]} positions")
-        cos, sin = self.cos[:n], self.sin[:n]
+        cos, sin = self.rotary.cos_sin(torch.arange(x.shape[0], device=x.device), x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin)
         return self.model.norm(x)

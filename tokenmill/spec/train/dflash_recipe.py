@@ -1,5 +1,5 @@
 """DFlash drafter trained on the target's own continuations by masked block denoising (z-lab's
-objective, as in their SpecForge training): pick anchor positions a inside the continuation;
+objective, as SpecForge implements it): pick anchor positions a inside the continuation;
 the block [token a, MASK, ..., MASK] at positions a..a+bs-1 sees the target's features at
 positions < a (exactly what the engine has when a is the newest token) and itself; block row j
 learns the token at a + j by cross-entropy, weighted exp(-(j - 1) / gamma) because a draft
@@ -19,28 +19,18 @@ import random
 import torch
 import torch.nn.functional as F
 
-from tokenmill.spec.dflash import config_for_target, save_dflash, target_dtype
+from tokenmill.spec.dflash import config_for_target, save_dflash
 from tokenmill.spec.dflash_model import DFlashDrafter, init_weights, spread_layer_ids
+from tokenmill.spec.train.target_ops import head_logits
 
 _OPTIONS = ("num_layers", "block_size", "blocks_per_sequence", "loss_decay_gamma", "mask_token_id")
-
-
-def head_logits(target, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden [N, hidden] -> float logits [N, V] through the target's (frozen) LM head, with
-    the gradient w.r.t. ``hidden`` kept: a head with a oneDNN-prepacked weight
-    (tokenmill.layers.prepacked) runs an op without an autograd kernel, which would silently
-    drop it, so then the plain weight is used."""
-    head = target.lm_head
-    if hidden.requires_grad and getattr(head, "prepacked", None) is not None:
-        return F.linear(hidden.to(head.weight.dtype), head.weight, getattr(head, "bias", None)).float()
-    return target.compute_logits(hidden.to(target_dtype(target))).float()
 
 
 class DFlashRecipe:
     method = "dflash"
 
     def aux_layers(self, target) -> tuple[int, ...]:
-        """Five target layers spread from layer 1 to L - 3 (z-lab's published drafters read 5)."""
+        """Five target layers spread from layer 1 to L - 3 (most of z-lab's drafters read 5)."""
         return spread_layer_ids(target.args.num_hidden_layers, 5)
 
     def build(self, target, options: dict, seed: int, data=None) -> DFlashDrafter:
@@ -52,14 +42,13 @@ class DFlashRecipe:
                                    options.get("mask_token_id"))
         self.per_sequence = int(options.get("blocks_per_sequence", 4))
         self.gamma = float(options.get("loss_decay_gamma", config.block_size / 2))
-        self.rng = random.Random(seed)
         return init_weights(DFlashDrafter(config), seed).float()
 
     # -- the block forward over one sequence ---------------------------------------------------
     @staticmethod
     def _anchors(seq, limit: int, rng=None) -> list[int]:
         """Positions a in the continuation with at least one token after them: ``limit`` drawn
-        at random (training) or spread evenly (evaluation, ``rng`` None)."""
+        by ``rng`` (training) or spread evenly (evaluation, ``rng`` None)."""
         lo, hi = seq.prompt_len, seq.num_tokens - 2
         if hi < lo:
             return []
@@ -95,7 +84,8 @@ class DFlashRecipe:
         rows, labels, weights = [], [], []
         decay = [math.exp(-(j - 1) / self.gamma) for j in range(drafter.block_size)]
         for seq in batch:
-            anchors = self._anchors(seq, self.per_sequence, self.rng)
+            # the global generator: the trainer seeds it per step (exact resumes)
+            anchors = self._anchors(seq, self.per_sequence, random)
             if not anchors:
                 continue
             h = self.blocks(drafter, target, seq, anchors)

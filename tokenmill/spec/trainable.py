@@ -1,0 +1,77 @@
+"""Plain, trainable layers shared by the drafters (DFlash, EAGLE-3) and the draft-model
+student. tokenmill.layers' versions freeze their weights and dispatch to inference kernels
+(fused C, prepacked oneDNN) that have no backward; these run the same math in PyTorch, so one
+module drafts in the engine and trains in tokenmill.spec.train."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers.rotary import compute_inv_freq, scaling_kind, yarn_attention_factor
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, in float32 like the HF reference."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [..., size]
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), with HF Llama's parameter names."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Rotary:
+    """cos/sin for any positions, computed on the fly (a block may sit past any table). Not a
+    module: nothing to save, and casting a drafter to bf16 must not round the frequencies."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: Optional[dict]) -> None:
+        self.inv_freq = compute_inv_freq(head_dim, theta, scaling)           # [D/2] float32
+        self.mscale = yarn_attention_factor(scaling) if scaling_kind(scaling) == "yarn" else 1.0
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        # positions [...] -> cos, sin [..., D]
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return (emb.cos() * self.mscale).to(dtype), (emb.sin() * self.mscale).to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, heads, D]; cos, sin [..., T, D] (HF "rotate half" layout)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def init_weights(module: nn.Module, seed: int, std: float = 0.02) -> nn.Module:
+    """HF's default initialisation for Llama / Qwen3 layers: N(0, std) matrices, zero biases,
+    unit norm weights. Seeded, so a random drafter is reproducible."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+            else:
+                p.zero_()
+    return module
