@@ -84,3 +84,17 @@ def test_engine_option_packs_and_keeps_outputs(tiny_llama_dir):
         assert hasattr(llm.engine.model.model.layers[0].mlp.down_proj, "prepacked") == flag
     assert results[True][0] == results[False][0]
     assert results[True][1] == pytest.approx(results[False][1], abs=1e-3)
+
+
+def test_gradients_flow_through_a_prepacked_layer():
+    """oneDNN's op has no backward: when autograd records the call the layer takes a
+    differentiable path, so training through a frozen serving layer gets its gradients."""
+    layer = _layer(bias=False)
+    prepacked.prepack_linears(layer)
+    x = torch.randn(cpu_ops.LINEAR_MAX_ROWS + 5, 96, requires_grad=True)
+    layer(x).square().sum().backward()
+    ref = x.detach().clone().requires_grad_(True)
+    F.linear(ref, layer.weight.detach()).square().sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad, rtol=1e-5, atol=1e-4)
+    with torch.no_grad():   # no autograd: the prepacked path again
+        assert prepacked.linear(layer, x, None) is not None

@@ -54,9 +54,11 @@ def prepack_linears(model: nn.Module) -> int:
 
 def linear(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """x [M, K] @ W^T (+ b) through the layer's prepacked weight; None when it has none, it
-    is stale, the CPU fast paths are off, or torch.compile is tracing."""
+    is stale, the CPU fast paths are off, torch.compile is tracing, or autograd records the
+    call (oneDNN's op has no backward: the gradient would stop there without an error)."""
     entry = getattr(layer, "prepacked", None)
     if (entry is None or entry[1] != layer.weight.data_ptr() or cpu_ops.tracing()
+            or (x.requires_grad and torch.is_grad_enabled())
             or x.dim() != 2 or x.dtype is not torch.float32 or x.is_cuda
             or (bias is not None and bias.dtype is not torch.float32)):
         return None

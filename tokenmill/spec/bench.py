@@ -87,6 +87,10 @@ def add_parser(sub) -> None:
                    help="comma list of temperatures; 0 is always measured (e.g. --temperature 1)")
     p.add_argument("--prompt-source", choices=["sharegpt", "builtin"], default="sharegpt")
     p.add_argument("--kv-cache-memory", type=int, default=1024, help="MiB")
+    p.add_argument("--quantization", default=None,
+                   help="the target's weights, e.g. gguf (GGUF blocks kept packed)")
+    p.add_argument("--quant-activations", default="fp32", choices=["fp32", "q8"],
+                   help="q8: int8-rounded activations for packed weights (gguf + q8 = gguf-q8)")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", default=None, help="also write the result to this file")
     add_output_args(p)
@@ -271,10 +275,12 @@ def run(args) -> int:
     workloads = args.workloads.split(",")
     configs = _configs(args.methods.split(","), args)
     llm = LLM(model=args.model, num_threads=args.num_threads, max_num_seqs=max(sizes),
-              kv_cache_memory=args.kv_cache_memory * 1024**2)
+              kv_cache_memory=args.kv_cache_memory * 1024**2, quantization=args.quantization,
+              quant_activations=args.quant_activations)
     engine = llm.engine
     full_sched = engine.scheduler.config
-    result = {"bench": "spec", "model": args.model, "max_tokens": args.max_tokens, "k": args.k,
+    result = {"bench": "spec", "model": args.model, "quantization": args.quantization,
+              "quant_activations": args.quant_activations, "max_tokens": args.max_tokens, "k": args.k,
               "repeats": args.repeats, "methods": ",".join(configs), "machine_before": machine_info(),
               "rows": []}
     sources = set()
