@@ -63,7 +63,7 @@ def test_greedy_equals_plain_in_mixed_batch(tiny_llama_dir, draft_dir, plain, me
     assert sum(stats["spec_accepted_per_position"]) == stats["spec_num_accepted_tokens"]
 
 
-@pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft_model", "eagle3", "dflash"])
 def test_greedy_equals_plain_with_chunking_and_preemption(tiny_llama_dir, draft_dir, plain, method):
     ref = run(plain, PROMPTS, greedy())
     small = spec_llm(tiny_llama_dir, draft_dir, method, num_kv_blocks=14,
@@ -75,7 +75,7 @@ def test_greedy_equals_plain_with_chunking_and_preemption(tiny_llama_dir, draft_
     assert not small.engine.scheduler.requests and not small.engine.runner.states
 
 
-@pytest.mark.parametrize("method", ["ngram", "layer_skip"])
+@pytest.mark.parametrize("method", ["ngram", "layer_skip", "eagle3", "dflash"])
 def test_logprobs_penalties_and_prefix_cache(tiny_llama_dir, draft_dir, plain, method):
     params = greedy(16, logprobs=2, repetition_penalty=1.3, frequency_penalty=0.4)
     ref = plain.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
