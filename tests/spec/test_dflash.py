@@ -333,3 +333,20 @@ def test_paged_context_right_with_chunking_preemption_prefix_cache(tiny_llama_di
     assert checker.checked > 20 and not checker.wrong
     assert stats["num_preemptions"] > 0
     assert stats["prefix_cache_hit_rate"] > 0
+
+
+def test_draft_vocabulary_restricts_the_head_and_round_trips(runner, tmp_path):
+    from tokenmill.spec.draft_head import DraftHead
+    target = runner.model
+    ids = torch.tensor([3, 7, 50, 51, 200, 383])
+    hidden = torch.randn(9, target.args.hidden_size)
+    want = ids[target.compute_logits(hidden)[:, ids].argmax(-1)]
+    assert torch.equal(DraftHead(target, ids).argmax(hidden), want)
+    assert torch.equal(DraftHead(target, None).argmax(hidden), target.compute_logits(hidden).argmax(-1))
+    drafter = make_drafter(target, seed=4)
+    drafter.draft_vocab_ids = ids
+    save_dflash(drafter, str(tmp_path), vocab_size=target.args.vocab_size)
+    loaded = load_dflash(str(tmp_path), target, torch.device("cpu"))
+    assert torch.equal(loaded.draft_vocab_ids, ids)
+    proposer = DFlashProposer(loaded, target, [], runner.block_size, torch.device("cpu"))
+    assert torch.equal(proposer.head.token_ids, ids)

@@ -20,7 +20,8 @@ from tokenmill.spec.eagle3 import (Eagle3Proposer, build_eagle3_proposer, config
 from tokenmill.spec.eagle3_model import (DenseChain, Eagle3Head, default_aux_layers,
                                          previous_features)
 from tokenmill.spec.train.data import extract_features, prepare
-from tokenmill.spec.train.eagle3_recipe import Eagle3Recipe, choose_draft_vocab
+from tokenmill.spec.train.data import choose_draft_vocab
+from tokenmill.spec.train.eagle3_recipe import Eagle3Recipe
 
 PAGE = 4
 

@@ -30,6 +30,7 @@ import torch
 
 from tokenmill.spec.dflash_model import (DFlashConfig, DFlashDrafter, init_weights,
                                          spread_layer_ids)
+from tokenmill.spec.draft_head import DraftHead
 from tokenmill.spec.draft_input import DraftInput, StepFeatures, paged_slots, validate_aux_layers
 
 __all__ = ["DFlashConfig", "DFlashDrafter", "DFlashProposer", "build_dflash_proposer",
@@ -51,6 +52,7 @@ class DFlashProposer:
         self.device = device
         self.aux_layers = drafter.config.target_layer_ids
         self.max_drafts = drafter.block_size - 1
+        self.head = DraftHead(target, getattr(drafter, "draft_vocab_ids", None))
 
     def drop(self, req_ids) -> None:
         pass    # the cache belongs to the target's blocks, not to requests
@@ -82,8 +84,7 @@ class DFlashProposer:
     def _draft(self, states: list, num_rows: int) -> list[list[int]]:
         """The argmax of block rows 1..num_rows for every state."""
         h = self.block_hidden(states)[:, 1:1 + num_rows]                     # [R, rows, hidden]
-        logits = self.target.compute_logits(h.reshape(-1, h.shape[-1]))
-        return logits.view(len(states), num_rows, -1).argmax(-1).tolist()
+        return self.head.argmax(h.reshape(-1, h.shape[-1])).view(len(states), num_rows).tolist()
 
     def block_hidden(self, states: list) -> torch.Tensor:
         """[R, block_size, hidden]: one block forward per state; the block starts at the newest
@@ -107,6 +108,10 @@ class DFlashProposer:
 
 
 # -- configs and checkpoints -----------------------------------------------------------------
+# tokenmill's extra tensor: the draft vocabulary (ascending target ids) the proposer's head
+# is restricted to (tokenmill.spec.draft_head); checkpoints without it use the whole head.
+DRAFT_VOCAB_KEY = "draft_vocab_ids"
+
 def target_dtype(target) -> torch.dtype:
     return target.model.norm.weight.dtype
 
@@ -238,9 +243,16 @@ def load_dflash(path: str, target, device) -> DFlashDrafter:
     if not 0 <= config.mask_token_id < a.vocab_size:
         raise ValueError(f"dflash mask_token_id {config.mask_token_id} is outside the target's "
                          f"vocabulary ({a.vocab_size})")
+    ids = tensors.pop(DRAFT_VOCAB_KEY, None)
+    if ids is not None and (ids.dim() != 1 or ids.numel() == 0 or int(ids.min()) < 0
+                            or int(ids.max()) >= a.vocab_size):
+        raise ValueError(f"{path}: {DRAFT_VOCAB_KEY} must list token ids of the target's "
+                         f"vocabulary ({a.vocab_size})")
     drafter = DFlashDrafter(config)
     _load_state(drafter, tensors, path)
-    return drafter.to(device=device, dtype=target_dtype(target)).eval()
+    drafter = drafter.to(device=device, dtype=target_dtype(target)).eval()
+    drafter.draft_vocab_ids = None if ids is None else ids.to(torch.int64)
+    return drafter
 
 
 def save_dflash(drafter: DFlashDrafter, path: str, vocab_size: Optional[int] = None) -> None:
@@ -249,8 +261,11 @@ def save_dflash(drafter: DFlashDrafter, path: str, vocab_size: Optional[int] = N
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config_to_hf(drafter.config, vocab_size), f, indent=1)
-    save_file({n: t.detach().contiguous() for n, t in drafter.state_dict().items()},
-              os.path.join(path, "model.safetensors"))
+    tensors = {n: t.detach().contiguous() for n, t in drafter.state_dict().items()}
+    ids = getattr(drafter, "draft_vocab_ids", None)
+    if ids is not None:
+        tensors[DRAFT_VOCAB_KEY] = ids.to(torch.int64).contiguous()
+    save_file(tensors, os.path.join(path, "model.safetensors"))
 
 
 def random_dflash(target, seed: int, device, num_layers: int = 1,

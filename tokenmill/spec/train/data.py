@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
@@ -170,6 +171,29 @@ def prepare(llm, data_dir: str, layers: tuple[int, ...], num_prompts: int, max_t
         seqs = cached["sequences"]
     write_features(llm.engine.runner, data_dir, seqs, tuple(layers))
     return load_sequences(data_dir, tuple(layers))
+
+
+def choose_draft_vocab(data, vocab_size: int, size: int) -> torch.Tensor:
+    """[size] ascending target ids: the most frequent continuation tokens of ``data`` (then
+    prompt tokens, then the lowest ids): a drafter's reduced vocabulary."""
+    if size >= vocab_size:
+        return torch.arange(vocab_size)
+    cont, prompt = Counter(), Counter()
+    for seq in data or ():
+        ids = seq.token_ids.tolist()
+        cont.update(ids[seq.prompt_len:])
+        prompt.update(ids[:seq.prompt_len])
+    chosen = [t for t, _ in cont.most_common(size)]
+    seen = set(chosen)
+    for t, _ in prompt.most_common():
+        if len(chosen) == size:
+            break
+        if t not in seen:
+            chosen.append(t)
+            seen.add(t)
+    fill = (t for t in range(vocab_size) if t not in seen)
+    chosen.extend(next(fill) for _ in range(size - len(chosen)))
+    return torch.tensor(sorted(chosen), dtype=torch.int64)
 
 
 def split_heldout(seqs: list[TrainSequence], fraction: float, seed: int):

@@ -8,7 +8,9 @@ frozen; logits are computed only at the labelled block rows (the LM head is most
 
 Options: num_layers (2), block_size (8), blocks_per_sequence (4: anchors per sequence and
 step), loss_decay_gamma (block_size / 2, z-lab's suggestion: 7 for 16, 4 for 8),
-mask_token_id (default: the last id, see tokenmill.spec.dflash.config_for_target). Draft
+mask_token_id (default: the last id, see tokenmill.spec.dflash.config_for_target),
+draft_vocab (8192: the proposer's head keeps the most frequent continuation tokens, see
+tokenmill.spec.draft_head; 0: the whole vocabulary). Draft
 layers start random like z-lab's (N(0, 0.02)); their shapes are the target's layers'.
 """
 from __future__ import annotations
@@ -21,9 +23,11 @@ import torch.nn.functional as F
 
 from tokenmill.spec.dflash import config_for_target, save_dflash
 from tokenmill.spec.dflash_model import DFlashDrafter, init_weights, spread_layer_ids
+from tokenmill.spec.train.data import choose_draft_vocab
 from tokenmill.spec.train.target_ops import head_logits
 
-_OPTIONS = ("num_layers", "block_size", "blocks_per_sequence", "loss_decay_gamma", "mask_token_id")
+_OPTIONS = ("num_layers", "block_size", "blocks_per_sequence", "loss_decay_gamma", "mask_token_id",
+            "draft_vocab")
 
 
 class DFlashRecipe:
@@ -42,7 +46,11 @@ class DFlashRecipe:
                                    options.get("mask_token_id"))
         self.per_sequence = int(options.get("blocks_per_sequence", 4))
         self.gamma = float(options.get("loss_decay_gamma", config.block_size / 2))
-        return init_weights(DFlashDrafter(config), seed).float()
+        drafter = init_weights(DFlashDrafter(config), seed).float()
+        size = int(options.get("draft_vocab", 8192))   # 0: the whole vocabulary
+        vocab = target.args.vocab_size
+        drafter.draft_vocab_ids = choose_draft_vocab(data, vocab, size) if 0 < size < vocab else None
+        return drafter
 
     # -- the block forward over one sequence ---------------------------------------------------
     @staticmethod

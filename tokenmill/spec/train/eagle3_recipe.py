@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -32,31 +31,10 @@ from tokenmill.spec.trainable import init_weights
 from tokenmill.spec.eagle3 import config_for_target, save_eagle3
 from tokenmill.spec.eagle3_model import (DenseChain, Eagle3Head, default_aux_layers,
                                          previous_features)
+from tokenmill.spec.train.data import choose_draft_vocab
 from tokenmill.spec.train.target_ops import head_weight
 
 _OPTIONS = ("draft_vocab", "ttt_steps", "positions_per_sequence", "step_decay")
-
-
-def choose_draft_vocab(data, vocab_size: int, size: int) -> torch.Tensor:
-    """[size] ascending target ids: the most frequent continuation tokens of ``data``."""
-    if size >= vocab_size:
-        return torch.arange(vocab_size)
-    cont, prompt = Counter(), Counter()
-    for seq in data or ():
-        ids = seq.token_ids.tolist()
-        cont.update(ids[seq.prompt_len:])
-        prompt.update(ids[:seq.prompt_len])
-    chosen = [t for t, _ in cont.most_common(size)]
-    seen = set(chosen)
-    for t, _ in prompt.most_common():
-        if len(chosen) == size:
-            break
-        if t not in seen:
-            chosen.append(t)
-            seen.add(t)
-    fill = (t for t in range(vocab_size) if t not in seen)
-    chosen.extend(next(fill) for _ in range(size - len(chosen)))
-    return torch.tensor(sorted(chosen), dtype=torch.int64)
 
 
 class Eagle3Recipe:

@@ -1,0 +1,30 @@
+"""The target's LM head as a drafter that shares it uses it: restricted, when the drafter
+names one, to a draft vocabulary (the tokens it may propose, e.g. the most frequent ones of
+its training data). On a CPU the full head is the largest read of a draft step (SmolLM2:
+49152 x 576 floats, more than the drafter's own layers); 8192 rows cost a sixth of it. A
+draft is only a guess, so a token outside the set costs acceptance, never exactness."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+class DraftHead:
+    def __init__(self, target, token_ids: Optional[torch.Tensor]) -> None:
+        self.target = target
+        w = getattr(target.lm_head, "weight", None)
+        usable = isinstance(w, torch.Tensor) and w.is_floating_point()
+        if token_ids is not None and usable and token_ids.numel() < w.shape[0]:
+            self.token_ids = token_ids.to(device=w.device, dtype=torch.int64)
+            self.weight = w.detach()[self.token_ids].contiguous()   # [draft vocab, hidden]
+        else:   # the whole vocabulary, through the serving head (packed weights included)
+            self.token_ids, self.weight = None, None
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (post-norm) -> [N] target token ids. Soft-capping is monotonic,
+        so the argmax of the raw logits is the capped logits' argmax."""
+        if self.weight is None:
+            return self.target.compute_logits(hidden).argmax(-1)
+        return self.token_ids[F.linear(hidden.to(self.weight.dtype), self.weight).argmax(-1)]
