@@ -93,9 +93,13 @@ def test_a_resumed_run_ends_with_the_uninterrupted_runs_weights(llm, data, tmp_p
     assert resumed.log[0]["step"] == 1 and len(resumed.log) == 8
     for (name, a), (_, b) in zip(whole.drafter.state_dict().items(), resumed.drafter.state_dict().items()):
         assert torch.equal(a, b), name
-    other = TrainConfig(steps=9, batch_sequences=4, checkpoint_every=3, eval_every=4, k=2)
+    other = TrainConfig(steps=8, batch_sequences=4, checkpoint_every=3, eval_every=4, k=2, lr=5e-4)
     with pytest.raises(ValueError, match="another run"):
         Trainer(MedusaRecipe(), target, seqs, seqs[:2], other, str(tmp_path / "b"), progress=False).run()
+    longer = TrainConfig(steps=10, batch_sequences=4, checkpoint_every=3, eval_every=4, k=2)
+    extended = Trainer(MedusaRecipe(), target, seqs, seqs[:2], longer, str(tmp_path / "b"), progress=False)
+    extended.run()   # a finished run goes on for two more steps
+    assert [r["step"] for r in extended.log][-3:] == [8, 9, 10]
     for name in ("training_curves.png", "training_log.json", "config.json", "model.safetensors"):
         assert os.path.isfile(tmp_path / "b" / name)
 

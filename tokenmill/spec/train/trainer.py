@@ -171,9 +171,11 @@ class Trainer:
             return
         with open(path) as f:
             facts = json.load(f)
-        if facts.get("method") != self.recipe.method or facts.get("config") != _jsonable(asdict(self.cfg)):
+        if facts.get("method") != self.recipe.method or \
+                _run_defining(facts.get("config") or {}) != _run_defining(_jsonable(asdict(self.cfg))):
             raise ValueError(f"{folder} holds a checkpoint of another run ({facts.get('method')}, "
-                             f"{facts.get('config')}); use a new --output or the same settings")
+                             f"{facts.get('config')}); use a new --output or the same settings "
+                             f"(only --steps and --eval-every may change, to extend a run)")
         self.drafter.load_state_dict(load_file(os.path.join(folder, "drafter.safetensors")))
         flat = load_file(os.path.join(folder, "optimizer.safetensors"))
         state = self.optimizer.state_dict()
@@ -205,6 +207,14 @@ class Trainer:
         fig.savefig(path, dpi=90)
         plt.close(fig)
         return path
+
+
+# Settings a resumed run may change: how long it goes and how often it measures.
+_EXTENDABLE = ("steps", "eval_every", "checkpoint_every")
+
+
+def _run_defining(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k not in _EXTENDABLE}
 
 
 def _jsonable(value):
