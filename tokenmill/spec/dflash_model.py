@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.spec.trainable import RMSNorm, Rotary, SwiGLU, init_weights, rotate
+from tokenmill.spec.trainable import Linear, RMSNorm, Rotary, SwiGLU, init_weights, rotate
 
 __all__ = ["DFlashConfig", "DFlashDrafter", "init_weights", "spread_layer_ids"]
 
@@ -80,10 +80,10 @@ class DFlashAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, q_size, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, kv_size, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, kv_size, bias=c.attention_bias)
-        self.o_proj = nn.Linear(q_size, c.hidden_size, bias=c.attention_bias)
+        self.q_proj = Linear(c.hidden_size, q_size, bias=c.attention_bias)
+        self.k_proj = Linear(c.hidden_size, kv_size, bias=c.attention_bias)
+        self.v_proj = Linear(c.hidden_size, kv_size, bias=c.attention_bias)
+        self.o_proj = Linear(q_size, c.hidden_size, bias=c.attention_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
@@ -126,7 +126,7 @@ class DFlashDrafter(nn.Module):
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
         c = self.config = config
-        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.fc = Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)

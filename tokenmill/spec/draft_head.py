@@ -10,6 +10,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from tokenmill.layers import cpu_ops
+
 
 class DraftHead:
     def __init__(self, target, token_ids: Optional[torch.Tensor]) -> None:
@@ -27,4 +29,8 @@ class DraftHead:
         so the argmax of the raw logits is the capped logits' argmax."""
         if self.weight is None:
             return self.target.compute_logits(hidden).argmax(-1)
-        return self.token_ids[F.linear(hidden.to(self.weight.dtype), self.weight).argmax(-1)]
+        x = hidden.to(self.weight.dtype).contiguous()
+        logits = cpu_ops.linear(x, self.weight)   # decode-sized rows: the streaming kernel
+        if logits is None:
+            logits = F.linear(x, self.weight)
+        return self.token_ids[logits.argmax(-1)]

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tokenmill.spec.trainable import RMSNorm, Rotary, SwiGLU, rotate
+from tokenmill.spec.trainable import Linear, RMSNorm, Rotary, SwiGLU, rotate
 
 
 @dataclass(frozen=True)
@@ -95,10 +95,10 @@ class Eagle3Layer(nn.Module):
         # plain containers: parameter names are the checkpoint's (layers.0.self_attn.q_proj...)
         self.self_attn = nn.Module()
         attn = self.self_attn
-        attn.q_proj = nn.Linear(2 * h, q_size, bias=c.attention_bias)
-        attn.k_proj = nn.Linear(2 * h, kv_size, bias=c.attention_bias)
-        attn.v_proj = nn.Linear(2 * h, kv_size, bias=c.attention_bias)
-        attn.o_proj = nn.Linear(q_size, h, bias=c.attention_bias)
+        attn.q_proj = Linear(2 * h, q_size, bias=c.attention_bias)
+        attn.k_proj = Linear(2 * h, kv_size, bias=c.attention_bias)
+        attn.v_proj = Linear(2 * h, kv_size, bias=c.attention_bias)
+        attn.o_proj = Linear(q_size, h, bias=c.attention_bias)
         if c.qk_norm:
             attn.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             attn.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
@@ -139,10 +139,10 @@ class Eagle3Head(nn.Module):
         c = self.config = config
         if c.norm_before_fc:
             self.input_norm = RMSNorm(c.feature_size, c.rms_norm_eps)
-        self.fc = nn.Linear(c.feature_size, c.hidden_size, bias=False)
+        self.fc = Linear(c.feature_size, c.hidden_size, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(c)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
+        self.lm_head = Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         # A drafter narrower than its target cannot read the target's embeddings.
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size) if own_embeddings else None
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))

@@ -13,6 +13,21 @@ from torch import nn
 from tokenmill.layers.rotary import compute_inv_freq, scaling_kind, yarn_attention_factor
 
 
+class Linear(nn.Linear):
+    """nn.Linear that, when autograd is not recording, runs decode-sized inputs (at most
+    cpu_ops.LINEAR_MAX_ROWS rows) through tokenmill's streaming kernel: a drafter multiplies
+    one to a few rows per step, and torch's small-M path reads each weight several times
+    slower than the kernel does. Training (autograd on) always takes F.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            from tokenmill.layers import cpu_ops
+            y = cpu_ops.linear(x if x.is_contiguous() else x.contiguous(), self.weight, self.bias)
+            if y is not None:
+                return y
+        return super().forward(x)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, in float32 like the HF reference."""
 
@@ -32,9 +47,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_proj = Linear(hidden, intermediate, bias=bias)
+        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
