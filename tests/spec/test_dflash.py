@@ -6,11 +6,11 @@ forward over features recomputed from scratch."""
 import json
 import math
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
 
+from tests.spec.drafter_reference import State, rms
 from tokenmill import LLM, SamplingParams
 from tokenmill.runner.kv_tensors import allocate_kv_caches
 from tokenmill.spec.dflash import (DFlashProposer, config_for_target, load_dflash,
@@ -38,22 +38,7 @@ def make_drafter(target, seed=0, **kw):
     return init_weights(DFlashDrafter(config_for_target(target, **kw)), seed, std=0.15).eval()
 
 
-@dataclass
-class State:
-    req_id: str
-    all_tokens: list
-    block_ids: list
-    num_tokens: int
-
-    def tokens(self, start, end):
-        return self.all_tokens[start:end]
-
-
 # -- a dense reference, written out from the paper's description -------------------------------
-def rms(x, w, eps):
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
 def rope(x, positions, theta):
     """x [T, heads, D]: pairs (i, i + D/2) rotated by position * theta^(-2i/D)."""
     d = x.shape[-1] // 2

@@ -7,11 +7,11 @@ scratch."""
 import json
 import math
 import random
-from dataclasses import dataclass
 
 import pytest
 import torch
 
+from tests.spec.drafter_reference import State, rms
 from tokenmill import LLM, SamplingParams
 from tokenmill.spec.trainable import init_weights
 from tokenmill.spec.draft_input import DraftInput, StepFeatures
@@ -51,22 +51,7 @@ def make_head(target, seed=0, draft_vocab=200):
     return head.eval()
 
 
-@dataclass
-class State:
-    req_id: str
-    all_tokens: list
-    block_ids: list
-    num_tokens: int
-
-    def tokens(self, start, end):
-        return self.all_tokens[start:end]
-
-
 # -- a reference, written out from the paper's description ------------------------------------
-def rms(x, w, eps):
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
 def rope(x, pos, theta):
     """x [heads, D] at one position: pairs (i, i + D/2) rotated by pos * theta^(-2i/D)."""
     d = x.shape[-1] // 2

@@ -31,6 +31,7 @@ import torch
 from tokenmill.spec.dflash_model import (DFlashConfig, DFlashDrafter, init_weights,
                                          spread_layer_ids)
 from tokenmill.spec.draft_head import DraftHead
+from tokenmill.spec.drafter_files import read_drafter_dir
 from tokenmill.spec.draft_input import DraftInput, StepFeatures, paged_slots, validate_aux_layers
 
 __all__ = ["DFlashConfig", "DFlashDrafter", "DFlashProposer", "build_dflash_proposer",
@@ -203,19 +204,6 @@ def config_to_hf(c: DFlashConfig, vocab_size: Optional[int] = None) -> dict:
     return cfg
 
 
-def _read_checkpoint(path: str) -> tuple[dict, dict]:
-    from safetensors.torch import load_file
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors file in {path}")
-    tensors: dict = {}
-    for name in files:
-        tensors.update(load_file(os.path.join(path, name)))
-    return cfg, tensors
-
-
 def _load_state(drafter: DFlashDrafter, tensors: dict, path: str) -> None:
     state = {(n[len("model."):] if n.startswith("model.") else n): t for n, t in tensors.items()
              if not n.endswith("rotary_emb.inv_freq")}
@@ -233,7 +221,7 @@ def _load_state(drafter: DFlashDrafter, tensors: dict, path: str) -> None:
 
 def load_dflash(path: str, target, device) -> DFlashDrafter:
     """A z-lab layout directory -> the drafter, checked against the target, in its dtype."""
-    cfg, tensors = _read_checkpoint(path)
+    cfg, tensors = read_drafter_dir(path)
     config = config_from_hf(cfg)
     a = target.args
     if config.hidden_size != a.hidden_size:

@@ -24,6 +24,7 @@ import torch
 
 from tokenmill.layers.attention.base import write_kv
 from tokenmill.spec.trainable import init_weights
+from tokenmill.spec.drafter_files import read_drafter_dir
 from tokenmill.spec.draft_input import DraftInput, StepFeatures, paged_slots, validate_aux_layers
 from tokenmill.spec.eagle3_model import Eagle3Config, Eagle3Head, default_aux_layers
 
@@ -208,19 +209,6 @@ def config_to_speculators(c: Eagle3Config, speculative_tokens: int = 3,
 
 
 # -- checkpoints -----------------------------------------------------------------------------
-def _read_checkpoint(path: str) -> tuple[dict, dict]:
-    from safetensors.torch import load_file
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors file in {path} (convert pytorch_model.bin first)")
-    tensors: dict = {}
-    for name in files:
-        tensors.update(load_file(os.path.join(path, name)))
-    return cfg, tensors
-
-
 def _our_names(tensors: dict) -> dict:
     """EAGLE's ``midlayer.`` is our ``layers.0.``; a ``model.`` prefix and RoPE tables go."""
     out = {}
@@ -260,7 +248,7 @@ def _fill(head: Eagle3Head, state: dict, path: str) -> None:
 def load_eagle3(path: str, target, device) -> Eagle3Head:
     """A speculators-layout or EAGLE-layout directory -> the head, checked against the target,
     in the target's dtype. Own embeddings equal to the target's are dropped (shared)."""
-    cfg, tensors = _read_checkpoint(path)
+    cfg, tensors = read_drafter_dir(path)
     c = config_from_checkpoint(cfg, target.args.num_hidden_layers)
     _check_target(c, target, path)
     state = _our_names(tensors)

@@ -21,6 +21,7 @@ from torch import nn
 
 from tokenmill.models.llama import LlamaArgs, LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.models.weights import load_weights
+from tokenmill.spec.drafter_files import read_drafter_dir
 from tokenmill.layers.rotary import RotaryEmbedding
 
 
@@ -150,19 +151,6 @@ def _init_random(module: nn.Module, seed: int, std: float) -> None:
             p.copy_(torch.randn(p.shape, generator=g) * std if p.dim() > 1 else torch.zeros(p.shape))
 
 
-def _read_dir(path: str) -> tuple[dict, list]:
-    from safetensors.torch import load_file
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors file in {path}")
-    tensors = []
-    for name in files:
-        tensors.extend(load_file(os.path.join(path, name)).items())
-    return cfg, tensors
-
-
 def build_medusa(path: Optional[str], target: LlamaForCausalLM, num_heads: int, seed: int,
                  device) -> MedusaHeads:
     a = target.args
@@ -170,10 +158,10 @@ def build_medusa(path: Optional[str], target: LlamaForCausalLM, num_heads: int, 
         heads = MedusaHeads(a.hidden_size, a.vocab_size, num_heads)
         _init_random(heads, seed, std=0.05)
         return heads.to(device).eval()
-    cfg, tensors = _read_dir(path)
+    cfg, tensors = read_drafter_dir(path)
     heads = MedusaHeads(a.hidden_size, a.vocab_size, cfg.get("medusa_num_heads", num_heads),
                         cfg.get("medusa_num_layers", 1), bool(cfg.get("medusa_shared_lm_head", False)))
-    heads.load_state_dict(dict(tensors))
+    heads.load_state_dict(tensors)
     return heads.to(device).eval()
 
 
@@ -197,6 +185,6 @@ def build_eagle(path: Optional[str], target: LlamaForCausalLM, seed: int, device
             layer.input_layernorm.weight.data.fill_(1.0)
             layer.post_attention_layernorm.weight.data.fill_(1.0)
     else:
-        _, tensors = _read_dir(path)
-        load_weights(head, ((n, t) for n, t in tensors if not n.startswith("embed_tokens")))
+        _, tensors = read_drafter_dir(path)
+        load_weights(head, ((n, t) for n, t in tensors.items() if not n.startswith("embed_tokens")))
     return head.to(device=device, dtype=target.model.norm.weight.dtype).eval()
