@@ -253,9 +253,11 @@ def load_eagle3(path: str, target, device) -> Eagle3Head:
     _check_target(c, target, path)
     state = _our_names(tensors)
     embed = state.pop("embed_tokens.weight", None)
-    target_embed = target.model.embed_tokens.weight
-    own = embed is not None and not (embed.shape == target_embed.shape and torch.equal(
-        embed.to(target_embed.device, target_embed.dtype), target_embed))
+    # a packed (GGUF) target embedding has no float weight to compare: keep the drafter's own
+    target_embed = getattr(target.model.embed_tokens, "weight", None)
+    own = embed is not None and not (target_embed is not None and embed.shape == target_embed.shape
+                                     and torch.equal(embed.to(target_embed.device, target_embed.dtype),
+                                                     target_embed))
     if own:
         state["embed_tokens.weight"] = embed
     elif c.hidden_size != target.args.hidden_size:
