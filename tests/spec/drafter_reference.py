@@ -4,6 +4,20 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill import SamplingParams
+
+# prompts of many lengths (1..64 tokens), one with repeats
+PROMPTS = [[(17 * i + 5 * j) % 380 + 3 for j in range(n)] for i, n in
+           enumerate([5, 9, 1, 23, 40, 3, 17, 64, 2, 31])]
+PROMPTS[1] = PROMPTS[1] * 3
+
+
+def run(llm, prompts, n=20):
+    """Greedy token ids of ``n`` tokens per prompt."""
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
 
 @dataclass
 class State:

@@ -11,8 +11,8 @@ import random
 import pytest
 import torch
 
-from tests.spec.drafter_reference import State, rms
-from tokenmill import LLM, SamplingParams
+from tests.spec.drafter_reference import PROMPTS, State, rms, run
+from tokenmill import LLM
 from tokenmill.spec.trainable import init_weights
 from tokenmill.spec.draft_input import DraftInput, StepFeatures
 from tokenmill.spec.eagle3 import (Eagle3Proposer, build_eagle3_proposer, config_for_target,
@@ -339,17 +339,6 @@ def test_recipe_learns_and_measures_acceptance(continuations, tmp_path):
 
 
 # -- end to end -----------------------------------------------------------------------------
-PROMPTS = [[(17 * i + 5 * j) % 380 + 3 for j in range(n)] for i, n in
-           enumerate([5, 9, 1, 23, 40, 3, 17, 64, 2, 31])]
-PROMPTS[1] = PROMPTS[1] * 3
-
-
-def run(llm, prompts, n=20):
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in
-            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
-
-
 def eagle3_llm(model_dir, **kw):
     kw.setdefault("num_kv_blocks", 256)
     return LLM(model=model_dir, skip_tokenizer_init=True, num_threads=1, **kw,

@@ -31,7 +31,7 @@ import torch
 from tokenmill.spec.dflash_model import (DFlashConfig, DFlashDrafter, init_weights,
                                          spread_layer_ids)
 from tokenmill.spec.draft_head import DraftHead
-from tokenmill.spec.drafter_files import read_drafter_dir
+from tokenmill.spec.drafter_files import load_checked_state, read_drafter_dir
 from tokenmill.spec.draft_input import DraftInput, StepFeatures, paged_slots, validate_aux_layers
 
 __all__ = ["DFlashConfig", "DFlashDrafter", "DFlashProposer", "build_dflash_proposer",
@@ -207,16 +207,7 @@ def config_to_hf(c: DFlashConfig, vocab_size: Optional[int] = None) -> dict:
 def _load_state(drafter: DFlashDrafter, tensors: dict, path: str) -> None:
     state = {(n[len("model."):] if n.startswith("model.") else n): t for n, t in tensors.items()
              if not n.endswith("rotary_emb.inv_freq")}
-    own = drafter.state_dict()
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"{path}: not a DFlash drafter checkpoint: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    bad = [n for n, t in state.items() if tuple(t.shape) != tuple(own[n].shape)]
-    if bad:
-        raise ValueError(f"{path}: {bad[0]} has shape {tuple(state[bad[0]].shape)}, the config "
-                         f"says {tuple(own[bad[0]].shape)}")
-    drafter.load_state_dict(state)
+    load_checked_state(drafter, state, path, "a DFlash drafter")
 
 
 def load_dflash(path: str, target, device) -> DFlashDrafter:

@@ -19,3 +19,18 @@ def read_drafter_dir(path: str) -> tuple[dict, dict]:
     for name in files:
         tensors.update(load_file(os.path.join(path, name)))
     return cfg, tensors
+
+
+def load_checked_state(module, state: dict, path: str, kind: str) -> None:
+    """``module.load_state_dict(state)`` after checking names and shapes, with an error that
+    says which checkpoint is not a ``kind`` and why (strict loading's message names neither)."""
+    own = module.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"{path}: not {kind} checkpoint: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    bad = [n for n, t in state.items() if tuple(t.shape) != tuple(own[n].shape)]
+    if bad:
+        raise ValueError(f"{path}: {bad[0]} has shape {tuple(state[bad[0]].shape)}, the config "
+                         f"says {tuple(own[bad[0]].shape)}")
+    module.load_state_dict(state)

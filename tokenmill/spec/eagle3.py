@@ -24,7 +24,7 @@ import torch
 
 from tokenmill.layers.attention.base import write_kv
 from tokenmill.spec.trainable import init_weights
-from tokenmill.spec.drafter_files import read_drafter_dir
+from tokenmill.spec.drafter_files import load_checked_state, read_drafter_dir
 from tokenmill.spec.draft_input import DraftInput, StepFeatures, paged_slots, validate_aux_layers
 from tokenmill.spec.eagle3_model import Eagle3Config, Eagle3Head, default_aux_layers
 
@@ -232,19 +232,6 @@ def _check_target(c: Eagle3Config, target, path: str) -> None:
                          f"target's ({a.vocab_size})")
 
 
-def _fill(head: Eagle3Head, state: dict, path: str) -> None:
-    own = head.state_dict()
-    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-    if missing or unexpected:
-        raise ValueError(f"{path}: not an EAGLE-3 drafter checkpoint: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    bad = [n for n, t in state.items() if tuple(t.shape) != tuple(own[n].shape)]
-    if bad:
-        raise ValueError(f"{path}: {bad[0]} has shape {tuple(state[bad[0]].shape)}, the config "
-                         f"says {tuple(own[bad[0]].shape)}")
-    head.load_state_dict(state)
-
-
 def load_eagle3(path: str, target, device) -> Eagle3Head:
     """A speculators-layout or EAGLE-layout directory -> the head, checked against the target,
     in the target's dtype. Own embeddings equal to the target's are dropped (shared)."""
@@ -266,8 +253,8 @@ def load_eagle3(path: str, target, device) -> Eagle3Head:
         state["d2t"] = torch.zeros(c.draft_vocab_size, dtype=torch.int64)
         state["t2d"] = torch.ones(c.vocab_size, dtype=torch.bool)
     head = Eagle3Head(c, own_embeddings=own)
-    _fill(head, {n: (t.to(torch.int64) if n == "d2t" else t.bool() if n == "t2d" else t)
-                 for n, t in state.items()}, path)
+    load_checked_state(head, {n: (t.to(torch.int64) if n == "d2t" else t.bool() if n == "t2d" else t)
+                              for n, t in state.items()}, path, "an EAGLE-3 drafter")
     return head.to(device=device, dtype=target.model.norm.weight.dtype).eval()
 
 
