@@ -32,7 +32,8 @@ from tokenmill.spec.dflash_model import (DFlashConfig, DFlashDrafter, init_weigh
                                          spread_layer_ids)
 from tokenmill.spec.draft_head import DraftHead
 from tokenmill.spec.drafter_files import load_checked_state, read_drafter_dir
-from tokenmill.spec.draft_input import DraftInput, StepFeatures, paged_slots, validate_aux_layers
+from tokenmill.spec.draft_input import (DraftInput, StepFeatures, paged_slots, record_then_draft,
+                                        validate_aux_layers)
 
 __all__ = ["DFlashConfig", "DFlashDrafter", "DFlashProposer", "build_dflash_proposer",
            "config_for_target", "load_dflash", "save_dflash"]
@@ -60,17 +61,12 @@ class DFlashProposer:
 
     @torch.inference_mode()
     def propose(self, inp: DraftInput) -> list[list[int]]:
-        if inp.features is not None and inp.features.req_ids:
-            self.record(inp.features)
-        drafts: list[list[int]] = [[] for _ in inp.states]
-        rows = [i for i, n in enumerate(inp.num_drafts) if n > 0]
-        if not rows:
-            return drafts
-        want = [min(inp.num_drafts[i], self.max_drafts) for i in rows]
-        guesses = self._draft([inp.states[i] for i in rows], max(want))
-        for i, n, g in zip(rows, want, guesses):
-            drafts[i] = g[:n]
-        return drafts
+        return record_then_draft(self, inp)
+
+    def draft(self, states: list, counts: list[int]) -> list[list[int]]:
+        """One block forward per state; at most counts[i] (and block_size - 1) drafts each."""
+        want = [min(n, self.max_drafts) for n in counts]
+        return [g[:n] for g, n in zip(self._draft(states, max(want)), want)]
 
     def record(self, f: StepFeatures) -> None:
         """Writes the context K/V of every verified row of the step."""

@@ -77,6 +77,21 @@ class AuxCapture:
         return torch.cat(self.rows, dim=-1)
 
 
+def record_then_draft(proposer, inp: DraftInput) -> list[list[int]]:
+    """``propose`` of a drafter that keeps its own context cache (EAGLE-3, DFlash): write the
+    step's features (``proposer.record``), then draft for the requests that want drafts
+    (``proposer.draft(states, counts)``: one list of at most counts[i] tokens per state)."""
+    if inp.features is not None and inp.features.req_ids:
+        proposer.record(inp.features)
+    drafts: list[list[int]] = [[] for _ in inp.states]
+    rows = [i for i, n in enumerate(inp.num_drafts) if n > 0]
+    if rows:
+        got = proposer.draft([inp.states[i] for i in rows], [inp.num_drafts[i] for i in rows])
+        for i, d in zip(rows, got):
+            drafts[i] = d
+    return drafts
+
+
 def paged_slots(block_ids: list[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """positions [N] -> cache slots [N] through one request's block table (a drafter's own
     paged tensors are indexed like the target's)."""

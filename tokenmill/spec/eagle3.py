@@ -25,7 +25,8 @@ import torch
 from tokenmill.layers.attention.base import write_kv
 from tokenmill.spec.trainable import init_weights
 from tokenmill.spec.drafter_files import load_checked_state, read_drafter_dir
-from tokenmill.spec.draft_input import DraftInput, StepFeatures, paged_slots, validate_aux_layers
+from tokenmill.spec.draft_input import (DraftInput, StepFeatures, paged_slots, record_then_draft,
+                                        validate_aux_layers)
 from tokenmill.spec.eagle3_model import Eagle3Config, Eagle3Head, default_aux_layers
 
 __all__ = ["Eagle3Config", "Eagle3Head", "Eagle3Proposer", "build_eagle3_proposer",
@@ -53,15 +54,7 @@ class Eagle3Proposer:
 
     @torch.inference_mode()
     def propose(self, inp: DraftInput) -> list[list[int]]:
-        if inp.features is not None and inp.features.req_ids:
-            self.record(inp.features)
-        drafts: list[list[int]] = [[] for _ in inp.states]
-        rows = [i for i, n in enumerate(inp.num_drafts) if n > 0]
-        if rows:
-            got = self.draft([inp.states[i] for i in rows], [inp.num_drafts[i] for i in rows])
-            for i, d in zip(rows, got):
-                drafts[i] = d
-        return drafts
+        return record_then_draft(self, inp)
 
     def record(self, f: StepFeatures) -> None:
         """Entries and features of every verified row of the step."""

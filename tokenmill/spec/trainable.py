@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers import cpu_ops
 from tokenmill.layers.rotary import compute_inv_freq, scaling_kind, yarn_attention_factor
 
 
@@ -21,7 +22,6 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
-            from tokenmill.layers import cpu_ops
             y = cpu_ops.linear(x if x.is_contiguous() else x.contiguous(), self.weight, self.bias)
             if y is not None:
                 return y
