@@ -87,3 +87,25 @@ def test_greedy_matches_transformers(gguf_path, reference):
         assert tokens == entry["token_ids"], entry["prompt"]
         ours = [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs)]
         np.testing.assert_allclose(ours, entry["logprobs"], atol=1e-3)
+
+
+@pytest.mark.slow
+def test_packed_k_quants_give_the_same_greedy_output(gguf_path, reference):
+    """quantization="gguf" keeps Q5_0 / Q4_K / Q8_0 blocks packed (Q6_K stays float): with
+    float activations the same function up to summation order, so HF's greedy tokens."""
+    from tokenmill import LLM, SamplingParams
+    llm = LLM(model=gguf_path, skip_tokenizer_init=True, max_model_len=512, quantization="gguf")
+    model = llm.engine.model
+    packed = {type(m.quant_method).__name__ for m in model.modules() if hasattr(m, "quant_method")}
+    assert "GGUFMethod" in packed
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.packed[0].kind == "i8"    # Q5_0 q / k (and Q8_0 v)
+    assert layer.self_attn.o_proj.packed[0].kind == "i4"      # Q4_K
+    entries = reference["entries"]
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": e["prompt_token_ids"]} for e in entries], params, use_tqdm=False)
+    for entry, out in zip(entries, outs):
+        tokens = out.outputs[0].token_ids
+        assert tokens == entry["token_ids"], entry["prompt"]
+        ours = [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs)]
+        np.testing.assert_allclose(ours, entry["logprobs"], atol=2e-3)

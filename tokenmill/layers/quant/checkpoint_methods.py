@@ -187,7 +187,8 @@ def _scale_loader(layer: nn.Module):
 
 
 class GGUFMethod(PackedLinearMethod):
-    """GGUF Q8_0 (kind "i8") or Q4_0 / Q4_1 (kind "i4") kept packed: blocks of 32."""
+    """GGUF Q8_0 / Q5_0 (kind "i8") or Q4_0 / Q4_1 / Q4_K (kind "i4") kept packed: groups of
+    32 (gguf.py repacks the blocks)."""
     name = "gguf"
 
     def __init__(self, kind: str, **kw):
@@ -226,11 +227,10 @@ def method_for(spec, module_name: str, layer: nn.Module, sources: list[str]):
     if spec.method == "fp8-ckpt":
         return FP8CheckpointMethod(**kw)
     if spec.method == "gguf":
-        kinds = {GGUF_KINDS.get(qc["types"].get(s, "")) for s in sources}
+        from tokenmill.layers.quant.gguf import PACKED_KIND
+        kinds = {PACKED_KIND.get(qc["types"].get(s, "")) for s in sources}
         if len(kinds) == 1 and None not in kinds:
             return GGUFMethod(kinds.pop(), **kw)
         return UnquantizedLinearMethod()
     raise ValueError(f"unknown quantization method {spec.method!r}")
 
-
-GGUF_KINDS = {"Q8_0": "i8", "Q4_0": "i4", "Q4_1": "i4"}

@@ -1,9 +1,19 @@
-"""GGUF Q8_0 / Q4_0 / Q4_1 tensors repacked for the quantized matmul instead of expanded.
+"""GGUF block quants repacked for the quantized matmul instead of expanded to floats.
 
-Q4_0 / Q4_1 nibbles are already in our int4 layout, so repacking copies bytes and turns the
-fp16 block fields into float32 scales / mins (Q4_0: min = -8 * d); Q8_0 becomes int8 values
-with per-block scales. Rows keep the same fix-up (llama q/k RoPE order) as the float path,
-and a stacked expert tensor is repacked one expert (one HF weight name) at a time.
+Every packable type becomes groups of 32 values with one float scale (and min) per group,
+with the same dequantized values as the GGUF reference (tests/quantization/test_gguf_repack.py):
+- Q8_0 -> int8 values, the block's fp16 d as scale;
+- Q5_0 -> int8 values q - 16 (-16..15), scale d: 5-bit values cost a byte each, but the
+  integer dot products of the int8 kernels take them as they are;
+- Q4_0 / Q4_1 -> int4: the nibbles are already in our layout, so the bytes are copied and
+  the fp16 fields become scale d and min (Q4_0: -8 d; Q4_1: m);
+- Q4_K -> int4 groups of 32 (its sub-blocks): nibbles re-laid out from Q4_K's 64-value
+  chunks, scale d * sc and min -(dmin * m), the products rounded once to float32 as ggml's
+  own dequantizer rounds them.
+Q6_K's scales cover 16 values, finer than the kernels' 32-value step, and Q5_1 / Q5_K need
+an int8 affine term: those tensors are expanded to float32 as before.
+Rows keep the same fix-up (llama q/k RoPE order) as the float path, and a stacked expert
+tensor is repacked one expert (one HF weight name) at a time.
 """
 from __future__ import annotations
 
@@ -12,10 +22,12 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from tokenmill.models.loader import gguf_llama
+from tokenmill.models.loader import gguf_kquants, gguf_llama
 from tokenmill.models.loader.gguf_quants import ggml_type
 
-PACKABLE = ("Q8_0", "Q4_0", "Q4_1")
+# GGML type name -> the packed kind it becomes
+PACKED_KIND = {"Q8_0": "i8", "Q5_0": "i8", "Q4_0": "i4", "Q4_1": "i4", "Q4_K": "i4"}
+_TYPE_ID = {"Q8_0": 8, "Q5_0": 6, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12}
 
 
 def tensor_types(checkpoint) -> dict[str, str]:
@@ -29,22 +41,40 @@ def tensor_types(checkpoint) -> dict[str, str]:
     return types
 
 
+def _f16_field(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The fp16 field at byte ``start`` of every block [..., type_size] -> float32 [...]."""
+    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """uint8 [n, K] values 0..15 -> [n, K/2] in our int4 layout (formats.pack_int4): in each
+    run of 32, byte j holds value j (low nibble) and value j + 16 (high nibble)."""
+    n, k = values.shape
+    runs = values.reshape(n, k // 32, 2, 16)
+    return (runs[:, :, 0] | (runs[:, :, 1] << np.uint8(4))).reshape(n, k // 2)
+
+
 def repack(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> dict[str, np.ndarray]:
-    """Raw bytes of one [N, K] tensor -> {"qweight", "scales"[, "mins"]} (numpy, rows first)."""
+    """Raw bytes of one [N, K] tensor -> {"qweight", "scales"[, "mins"]} (numpy, rows first;
+    scales / mins float32 [N, K/32])."""
     n, k = shape
-    t = ggml_type({"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}[type_name])
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 32, t.type_size)
-
-    def f16(start: int) -> np.ndarray:
-        return np.ascontiguousarray(blocks[:, :, start:start + 2]).view(np.float16)[..., 0].astype(np.float32)
-
-    d = f16(0)
+    t = ggml_type(_TYPE_ID[type_name])
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // t.block_size, t.type_size)
+    if type_name == "Q4_K":
+        flat = blocks.reshape(-1, t.type_size)
+        scale, low = gguf_kquants.k_sub_block_params(flat)
+        values = gguf_kquants.q4_k_values(flat).reshape(n, k)
+        return {"qweight": _pack_nibbles(values), "scales": scale.reshape(n, k // 32),
+                "mins": -low.reshape(n, k // 32)}
+    d = _f16_field(blocks, 0)
     if type_name == "Q8_0":
-        q = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(n, k)
-        return {"qweight": q, "scales": d}
+        return {"qweight": np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(n, k), "scales": d}
+    if type_name == "Q5_0":
+        q = gguf_kquants.q5_values(blocks.reshape(-1, t.type_size), 2).astype(np.int8) - np.int8(16)
+        return {"qweight": q.reshape(n, k), "scales": d}
     if type_name == "Q4_0":
         return {"qweight": blocks[:, :, 2:].reshape(n, k // 2), "scales": d, "mins": -8.0 * d}
-    return {"qweight": blocks[:, :, 4:].reshape(n, k // 2), "scales": d, "mins": f16(2)}
+    return {"qweight": blocks[:, :, 4:].reshape(n, k // 2), "scales": d, "mins": _f16_field(blocks, 2)}
 
 
 def iter_tensors(checkpoint, plan: dict[str, tuple[list[str], bool]],

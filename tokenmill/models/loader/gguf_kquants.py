@@ -36,7 +36,7 @@ def _high_bits_32(qh: np.ndarray) -> np.ndarray:
     return ((words >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
 
 
-def _q5_values(blocks: np.ndarray, qh_at: int) -> np.ndarray:
+def q5_values(blocks: np.ndarray, qh_at: int) -> np.ndarray:
     """The 5-bit values 0..31 of a Q5_0/Q5_1 block: low nibbles (j, then j + 16) + high bit."""
     n = blocks.shape[0]
     low = _unpack(blocks[:, qh_at + 4:].reshape(n, 1, 16), (0, 4), 0x0F).reshape(n, 32)
@@ -45,13 +45,13 @@ def _q5_values(blocks: np.ndarray, qh_at: int) -> np.ndarray:
 
 def dequant_q5_0(blocks: np.ndarray) -> np.ndarray:
     # block_q5_0: fp16 d, u32 qh, 16 bytes of nibbles; value = d * (q - 16)
-    q = _q5_values(blocks, 2).astype(np.int8) - np.int8(16)
+    q = q5_values(blocks, 2).astype(np.int8) - np.int8(16)
     return _f16(blocks, 0) * q.astype(np.float32)
 
 
 def dequant_q5_1(blocks: np.ndarray) -> np.ndarray:
     # block_q5_1: fp16 d, fp16 m, u32 qh, 16 bytes of nibbles; value = d * q + m
-    return _f16(blocks, 0) * _q5_values(blocks, 4).astype(np.float32) + _f16(blocks, 2)
+    return _f16(blocks, 0) * q5_values(blocks, 4).astype(np.float32) + _f16(blocks, 2)
 
 
 def dequant_q8_1(blocks: np.ndarray) -> np.ndarray:
@@ -107,28 +107,44 @@ def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scale.reshape(n, 8).astype(np.float32), low.reshape(n, 8).astype(np.float32)
 
 
-def _k_affine(blocks: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """d * scale * q - dmin * min over 8 sub-blocks of 32, the shared Q4_K/Q5_K tail."""
-    n = blocks.shape[0]
+def k_sub_block_params(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: (d * scale, dmin * min) of the 8 sub-blocks of 32, float32 [n, 8]: a
+    value is ``q * first - second`` (the products rounded once, as ggml does)."""
     scale, low = _k_scale_min(blocks[:, 4:16])
-    d = (_f16(blocks, 0) * scale).reshape(n, 8, 1)
-    dm = (_f16(blocks, 2) * low).reshape(n, 8, 1)
-    return (d * q.reshape(n, 8, 32).astype(np.float32) - dm).reshape(n, QK_K)
+    return _f16(blocks, 0) * scale, _f16(blocks, 2) * low
 
 
-def dequant_q4_k(blocks: np.ndarray) -> np.ndarray:
-    # block_q4_K: fp16 d, fp16 dmin, 12 bytes scales/mins, 128 bytes: 4 groups of 32 bytes,
-    # low nibbles then high nibbles
+def q4_k_values(blocks: np.ndarray) -> np.ndarray:
+    """Q4_K: 128 bytes in 4 groups of 32 (low nibbles = values 64c + j, high = 64c + 32 + j)
+    -> the 256 values 0..15 in order, uint8 [n, 256]."""
     n = blocks.shape[0]
-    return _k_affine(blocks, _unpack(blocks[:, 16:].reshape(n, 4, 32), (0, 4), 0x0F))
+    return _unpack(blocks[:, 16:].reshape(n, 4, 32), (0, 4), 0x0F).reshape(n, QK_K)
 
 
-def dequant_q5_k(blocks: np.ndarray) -> np.ndarray:
-    # block_q5_K: as Q4_K plus 32 bytes qh (bit k of byte j = 5th bit of value 32k + j)
+def q5_k_values(blocks: np.ndarray) -> np.ndarray:
+    """Q5_K: Q4_K's nibbles plus 32 bytes qh (bit k of byte j = 5th bit of value 32k + j)
+    -> the 256 values 0..31 in order, uint8 [n, 256]."""
     n = blocks.shape[0]
     low = _unpack(blocks[:, 48:].reshape(n, 4, 32), (0, 4), 0x0F).reshape(n, 8, 32)
     high = _unpack(blocks[:, 16:48].reshape(n, 1, 32), range(8), 0x01).reshape(n, 8, 32)
-    return _k_affine(blocks, low | (high << np.uint8(4)))
+    return (low | (high << np.uint8(4))).reshape(n, QK_K)
+
+
+def _k_affine(blocks: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """d * scale * q - dmin * min over 8 sub-blocks of 32, the shared Q4_K/Q5_K tail."""
+    n = blocks.shape[0]
+    d, dm = k_sub_block_params(blocks)
+    return (d.reshape(n, 8, 1) * q.reshape(n, 8, 32).astype(np.float32) - dm.reshape(n, 8, 1)).reshape(n, QK_K)
+
+
+def dequant_q4_k(blocks: np.ndarray) -> np.ndarray:
+    # block_q4_K: fp16 d, fp16 dmin, 12 bytes scales/mins, 128 bytes of nibbles
+    return _k_affine(blocks, q4_k_values(blocks))
+
+
+def dequant_q5_k(blocks: np.ndarray) -> np.ndarray:
+    # block_q5_K: as Q4_K plus 32 bytes of fifth bits
+    return _k_affine(blocks, q5_k_values(blocks))
 
 
 def dequant_q6_k(blocks: np.ndarray) -> np.ndarray:

@@ -1,0 +1,63 @@
+"""GGUF blocks repacked for the quantized matmul (layers/quant/gguf.py) hold exactly the
+values of the GGUF reference dequantizer, and the kernels compute with them as with any
+packed weight: random blocks of every packable type, several shapes."""
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.layers import native
+from tokenmill.layers.quant import gguf, qgemm
+from tokenmill.layers.quant.formats import Packed, dequantize_stored
+from tokenmill.layers.quant.matmul import packed_linear, reference_linear
+from tokenmill.models.loader.gguf_quants import dequantize, ggml_type
+
+TYPE_IDS = {"Q8_0": 8, "Q5_0": 6, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12}
+FP16_FIELDS = {"Q8_0": [0], "Q5_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2]}
+SHAPES = [(3, 256), (8, 512), (17, 768)]   # [N, K]: K a multiple of Q4_K's 256
+
+
+def _random_tensor(type_name: str, shape, seed: int) -> np.ndarray:
+    """Random bytes (finite, small fp16 scale fields) of a [N, K] tensor of that type."""
+    t = ggml_type(TYPE_IDS[type_name])
+    rng = np.random.default_rng(seed)
+    num_blocks = shape[0] * shape[1] // t.block_size
+    raw = rng.integers(0, 256, size=(num_blocks, t.type_size), dtype=np.uint8)
+    for off in FP16_FIELDS[type_name]:
+        field = (rng.standard_normal(num_blocks) * 0.05).astype(np.float16)
+        raw[:, off:off + 2] = field.view(np.uint8).reshape(-1, 2)
+    return raw.reshape(-1)
+
+
+def _packed(type_name: str, raw: np.ndarray, shape) -> Packed:
+    parts = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in gguf.repack(raw, type_name, shape).items()}
+    return Packed(gguf.PACKED_KIND[type_name], parts["qweight"], parts["scales"], parts.get("mins"),
+                  32, shape[0], shape[1])
+
+
+@pytest.mark.parametrize("type_name", sorted(TYPE_IDS))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_repacked_values_equal_the_reference_dequantizer(type_name, shape):
+    raw = _random_tensor(type_name, shape, seed=hash((type_name, shape)) % 2**32)
+    reference = dequantize(raw, TYPE_IDS[type_name], shape)
+    p = _packed(type_name, raw, shape)
+    np.testing.assert_array_equal(dequantize_stored(p).numpy(), reference)
+
+
+def test_packed_kinds_cover_the_table():
+    assert set(gguf.PACKED_KIND) == set(TYPE_IDS)
+    assert gguf.PACKED_KIND["Q5_0"] == "i8" and gguf.PACKED_KIND["Q4_K"] == "i4"
+
+
+@pytest.mark.skipif(not native.buildable(), reason="no C compiler, or a CPU without AVX2")
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q4_K"])
+@pytest.mark.parametrize("activations", ["fp32", "q8"])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_kernels_on_repacked_k_quants_match_the_reference(type_name, activations, rows):
+    shape = (24, 512)
+    p = _packed(type_name, _random_tensor(type_name, shape, seed=rows), shape)
+    x = torch.randn(rows, shape[1])
+    if activations == "q8" and qgemm.applies(p):
+        p.tiled = qgemm.tile(p)   # as loading does: q8 steps of any size take the tiled GEMM
+    got = packed_linear(x, p, activations=activations)
+    want = reference_linear(x, p, activations=activations)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
