@@ -101,6 +101,10 @@ def test_packed_k_quants_give_the_same_greedy_output(gguf_path, reference):
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.packed[0].kind == "i8"    # Q5_0 q / k (and Q8_0 v)
     assert layer.self_attn.o_proj.packed[0].kind == "i4"      # Q4_K
+    # the tied embedding reads the packed head's rows; no float table of the vocabulary
+    from tokenmill.layers.quant.embedding import PackedEmbedding
+    assert isinstance(model.model.embed_tokens, PackedEmbedding)
+    assert all(p.shape[0] != model.args.vocab_size for p in model.parameters())
     entries = reference["entries"]
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": e["prompt_token_ids"]} for e in entries], params, use_tqdm=False)

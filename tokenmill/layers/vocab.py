@@ -17,7 +17,9 @@ from tokenmill.layers.lazy import materialize
 class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, tp: TPGroup = SINGLE) -> None:
         rows = -(-num_embeddings // tp.size)
-        super().__init__(rows, embedding_dim)
+        # an uninitialised table: the checkpoint fills it (nn.Embedding's random init would
+        # touch every page of it: 671 MB for Gemma3, even when a packed head replaces it)
+        super().__init__(rows, embedding_dim, _weight=torch.empty(rows, embedding_dim))
         self.weight.requires_grad_(False)
         self.tp = tp
         self.full_num_embeddings = num_embeddings

@@ -107,6 +107,9 @@ def attach_quantization(model: nn.Module, spec: QuantSpec) -> PackPlan:
             for src in sources:   # a tied head takes its twin's blocks under its own name
                 prefix = name if _tied(old, names_by_id) else src[:-len(".weight")]
                 targets.setdefault(src, []).append(prefix)
+    if spec.method == "gguf":
+        from tokenmill.layers.quant.embedding import embed_from_packed_head
+        embed_from_packed_head(model)   # the tied embedding's float table is then never read
     floats = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     return {src: (prefixes, src in floats) for src, prefixes in targets.items()}
 

@@ -5,25 +5,39 @@ With tied weights the embedding and the head are one matrix. Once the head is pa
 the biggest tensor of a small model twice (SmolLM2-135M: 113 MB fp32 next to a 28 MB int8
 head). Looking rows up in the packed head instead dequantizes just the rows a step needs;
 for a GGUF model the values are identical (the float embedding was dequantized from the
-same blocks).
+same blocks). A GGUF whose head is packed from the embedding's own blocks gets this module
+before loading (``embed_from_packed_head``), so the float table is never even read (Gemma3:
+671 MB of float32 for 262k x 640, which set the load's peak memory).
 """
 from __future__ import annotations
 
 import torch
+from typing import Callable, Optional
+
 from torch import nn
 
 from tokenmill.layers.quant.formats import Packed, dequantize_stored
 
 
 class PackedEmbedding(nn.Module):
-    def __init__(self, packed: Packed) -> None:
+    """Rows of a Packed weight: given, or (``source``) the head's, read once it is loaded."""
+
+    def __init__(self, packed: Optional[Packed] = None, source: Optional[Callable[[], Packed]] = None,
+                 shape: Optional[tuple[int, int]] = None) -> None:
         super().__init__()
-        if packed.perm is not None:
-            raise ValueError("a packed embedding needs columns in natural order (no act-order)")
-        # A plain attribute, not a parameter: the tensors belong to (and are counted with)
-        # the head.
-        self.packed = packed
-        self.num_embeddings, self.embedding_dim = packed.out_features, packed.in_features
+        if packed is not None:
+            _check_order(packed)
+            shape = (packed.out_features, packed.in_features)
+        # Plain attributes, not parameters or submodules: the tensors belong to (and are
+        # counted with) the head.
+        self._packed, self._source = packed, source
+        self.num_embeddings, self.embedding_dim = shape
+
+    @property
+    def packed(self) -> Packed:
+        if self._packed is None:
+            self._packed = _check_order(self._source())
+        return self._packed
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:   # [T] -> [T, hidden] fp32
         p = self.packed
@@ -32,6 +46,36 @@ class PackedEmbedding(nn.Module):
                       p.mins.index_select(0, ids) if p.mins is not None else None,
                       p.group_size, ids.numel(), p.in_features)
         return dequantize_stored(rows).view(*input_ids.shape, p.in_features)
+
+
+def _check_order(packed: Packed) -> Packed:
+    if packed.perm is not None:
+        raise ValueError("a packed embedding needs columns in natural order (no act-order)")
+    return packed
+
+
+def embed_from_packed_head(model: nn.Module) -> bool:
+    """Before loading a GGUF: a tied float embedding whose head takes packed blocks becomes
+    a PackedEmbedding over the head's (future) packed weight; True if done. Tensor-parallel
+    ranks keep their float vocab-parallel embedding (see share_packed_head_with_embedding)."""
+    inner = getattr(model, "model", None)
+    head = getattr(model, "lm_head", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if not (getattr(model, "args", None) is not None and model.args.tie_word_embeddings
+            and isinstance(embed, nn.Embedding) and head is not None
+            and "qweight" in getattr(head, "quant_param_names", ())):
+        return False
+    if getattr(embed, "tp", None) is not None and embed.tp.is_parallel:
+        return False
+    if getattr(head, "weight", None) is embed.weight:
+        del head.weight
+
+    def head_packed() -> Packed:
+        if len(head.packed) != 1:
+            raise ValueError("a tied packed head must be one packed weight")
+        return head.packed[0]
+    inner.embed_tokens = PackedEmbedding(source=head_packed, shape=(embed.num_embeddings, embed.embedding_dim))
+    return True
 
 
 def share_packed_head_with_embedding(model: nn.Module) -> bool:
