@@ -187,34 +187,35 @@ def _scale_loader(layer: nn.Module):
 
 
 class GGUFMethod(PackedLinearMethod):
-    """GGUF Q8_0 / Q5_0 (kind "i8") or Q4_0 / Q4_1 / Q4_K (kind "i4") kept packed: groups of
-    32 (gguf.py repacks the blocks)."""
+    """GGUF Q8_0 / Q5_0 / Q6_K (kind "i8") or Q4_0 / Q4_1 / Q4_K (kind "i4") kept packed:
+    groups of 32 values (16 for Q6_K); gguf.py repacks the blocks."""
     name = "gguf"
 
-    def __init__(self, kind: str, **kw):
+    def __init__(self, kind: str, group_size: int = 32, **kw):
         super().__init__(**kw)
-        self.kind = kind
+        self.kind, self.group_size = kind, group_size
 
     def create_weights(self, layer):
-        n, k = layer.out_features, layer.in_features
+        n, k, g = layer.out_features, layer.in_features, self.group_size
         if self.kind == "i8":
             new_param(layer, "qweight", torch.zeros(n, k, dtype=torch.int8), input_dim=1)
         else:
             new_param(layer, "qweight", torch.zeros(n, k // 2, dtype=torch.uint8), input_dim=1,
                       input_pack=2)
-            new_param(layer, "mins", torch.zeros(n, k // 32), input_dim=1, input_pack=32)
-        new_param(layer, "scales", torch.zeros(n, k // 32), input_dim=1, input_pack=32)
+            new_param(layer, "mins", torch.zeros(n, k // g), input_dim=1, input_pack=g)
+        new_param(layer, "scales", torch.zeros(n, k // g), input_dim=1, input_pack=g)
 
     def process_weights_after_loading(self, layer):
         n, k = layer.out_features, layer.in_features
         scales = layer.scales.data
         mins = layer.mins.data if self.kind == "i4" else None
-        # The block fields are fp16 in the file: kept as float16 they are half the bytes the
-        # matmul streams per step, with the same values (checked: Q4_0's -8 d could overflow).
+        # Block fields stored as fp16 in the file (or products of them that fp16 holds
+        # exactly): kept as float16 they are half the bytes the matmul streams per step, with
+        # the same values (checked: Q4_0's -8 d could overflow; K-quant products may not fit).
         half = [t.half() for t in (scales, mins) if t is not None]
         if all(torch.equal(h.float(), t) for h, t in zip(half, (scales, mins))):
             scales, mins = half[0], (half[1] if mins is not None else None)
-        set_packed(layer, [Packed(self.kind, layer.qweight.data, scales, mins, 32, n, k)])
+        set_packed(layer, [Packed(self.kind, layer.qweight.data, scales, mins, self.group_size, n, k)])
 
 
 def method_for(spec, module_name: str, layer: nn.Module, sources: list[str]):
@@ -227,10 +228,12 @@ def method_for(spec, module_name: str, layer: nn.Module, sources: list[str]):
     if spec.method == "fp8-ckpt":
         return FP8CheckpointMethod(**kw)
     if spec.method == "gguf":
-        from tokenmill.layers.quant.gguf import PACKED_KIND
-        kinds = {PACKED_KIND.get(qc["types"].get(s, "")) for s in sources}
-        if len(kinds) == 1 and None not in kinds:
-            return GGUFMethod(kinds.pop(), **kw)
+        from tokenmill.layers.quant.gguf import GROUP_SIZE, PACKED_KIND
+        types = {qc["types"].get(s, "") for s in sources}
+        layouts = {(PACKED_KIND.get(t), GROUP_SIZE.get(t)) for t in types}
+        if len(layouts) == 1 and (None, None) not in layouts:   # fused shards share one layout
+            kind, group = layouts.pop()
+            return GGUFMethod(kind, group, **kw)
         return UnquantizedLinearMethod()
     raise ValueError(f"unknown quantization method {spec.method!r}")
 

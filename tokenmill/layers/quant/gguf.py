@@ -9,9 +9,11 @@ with the same dequantized values as the GGUF reference (tests/quantization/test_
   the fp16 fields become scale d and min (Q4_0: -8 d; Q4_1: m);
 - Q4_K -> int4 groups of 32 (its sub-blocks): nibbles re-laid out from Q4_K's 64-value
   chunks, scale d * sc and min -(dmin * m), the products rounded once to float32 as ggml's
-  own dequantizer rounds them.
-Q6_K's scales cover 16 values, finer than the kernels' 32-value step, and Q5_1 / Q5_K need
-an int8 affine term: those tensors are expanded to float32 as before.
+  own dequantizer rounds them;
+- Q6_K -> int8 values q - 32 (-32..31) in groups of 16 (its sub-blocks), scale d * sc: the
+  int8 kernels take 16-value groups (two scales per 32-value step).
+Q5_1 / Q5_K need an int8 affine term the kernels lack: those tensors are expanded to
+float32 as before.
 Rows keep the same fix-up (llama q/k RoPE order) as the float path, and a stacked expert
 tensor is repacked one expert (one HF weight name) at a time.
 """
@@ -25,9 +27,10 @@ import torch
 from tokenmill.models.loader import gguf_kquants, gguf_llama
 from tokenmill.models.loader.gguf_quants import ggml_type
 
-# GGML type name -> the packed kind it becomes
-PACKED_KIND = {"Q8_0": "i8", "Q5_0": "i8", "Q4_0": "i4", "Q4_1": "i4", "Q4_K": "i4"}
-_TYPE_ID = {"Q8_0": 8, "Q5_0": 6, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12}
+# GGML type name -> the packed kind it becomes, and its group size
+PACKED_KIND = {"Q8_0": "i8", "Q5_0": "i8", "Q4_0": "i4", "Q4_1": "i4", "Q4_K": "i4", "Q6_K": "i8"}
+GROUP_SIZE = {name: 16 if name == "Q6_K" else 32 for name in PACKED_KIND}
+_TYPE_ID = {"Q8_0": 8, "Q5_0": 6, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}
 
 
 def tensor_types(checkpoint) -> dict[str, str]:
@@ -56,12 +59,15 @@ def _pack_nibbles(values: np.ndarray) -> np.ndarray:
 
 def repack(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> dict[str, np.ndarray]:
     """Raw bytes of one [N, K] tensor -> {"qweight", "scales"[, "mins"]} (numpy, rows first;
-    scales / mins float32 [N, K/32])."""
+    scales / mins float32 [N, K / GROUP_SIZE])."""
     n, k = shape
     t = ggml_type(_TYPE_ID[type_name])
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // t.block_size, t.type_size)
+    flat = blocks.reshape(-1, t.type_size)
+    if type_name == "Q6_K":
+        return {"qweight": gguf_kquants.q6_k_values(flat).reshape(n, k),
+                "scales": gguf_kquants.q6_k_scales(flat).reshape(n, k // 16)}
     if type_name == "Q4_K":
-        flat = blocks.reshape(-1, t.type_size)
         scale, low = gguf_kquants.k_sub_block_params(flat)
         values = gguf_kquants.q4_k_values(flat).reshape(n, k)
         return {"qweight": _pack_nibbles(values), "scales": scale.reshape(n, k // 32),
@@ -70,7 +76,7 @@ def repack(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> dict[str,
     if type_name == "Q8_0":
         return {"qweight": np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(n, k), "scales": d}
     if type_name == "Q5_0":
-        q = gguf_kquants.q5_values(blocks.reshape(-1, t.type_size), 2).astype(np.int8) - np.int8(16)
+        q = gguf_kquants.q5_values(flat, 2).astype(np.int8) - np.int8(16)
         return {"qweight": q.reshape(n, k), "scales": d}
     if type_name == "Q4_0":
         return {"qweight": blocks[:, :, 2:].reshape(n, k // 2), "scales": d, "mins": -8.0 * d}

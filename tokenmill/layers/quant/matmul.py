@@ -52,7 +52,10 @@ def kernel_applies(p: Packed) -> bool:
         return False
     if p.scales.dtype is torch.float16 and p.kind not in ("i8", "i4"):
         return False
-    return (kernels.available() and g % _MIN_GROUP[p.kind] == 0 and p.in_features % g == 0
+    # groups step 32 values at a time; int8 may also have 16 (GGUF Q6_K's scales)
+    group_ok = g % _MIN_GROUP[p.kind] == 0 or (
+        p.kind == "i8" and g == 16 and p.mins is None and p.in_features % 32 == 0)
+    return (kernels.available() and group_ok and p.in_features % g == 0
             and p.qweight.device.type == "cpu" and p.qweight.is_contiguous()
             and p.scales.is_contiguous() and (p.mins is None or p.mins.is_contiguous()))
 

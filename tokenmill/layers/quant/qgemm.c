@@ -36,6 +36,38 @@ INLINE __m512 qg_load16(const float *p, int64_t i, int kind) {   /* 16 scales or
                               : _mm512_loadu_ps(p + i);
 }
 
+/* int8 weights with a scale per 16 values (GGUF Q6_K): steps 0-3 of a block hold values
+ * 0..15 (group 2b), steps 4-7 values 16..31 (group 2b + 1): two dots per block, each
+ * scaled by its group's 16 row scales. qsum: block sums of the int8 activations per 16. */
+INLINE void qgemm_tile_g16(const int8_t *xq, const float *dx, const int32_t *qsum, const int mb,
+                           int64_t K, int kind, const uint8_t *qw, const float *sc, int64_t N,
+                           int64_t t, float *y) {
+    const int64_t nb = K / 32, ngroups = K / 16;
+    __m512 acc[QG_MT];
+    for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = qw + (t * nb + b) * 512;
+        const int8_t *xb = xq + b * 32;
+        for (int half = 0; half < 2; half++) {
+            const int64_t g = 2 * b + half;
+            const __m512 s_vec = qg_load16(sc, (t * ngroups + g) * QG_TILE, kind);
+            __m512i dot[QG_MT];
+            for (int m = 0; m < mb; m++) dot[m] = _mm512_set1_epi32(-128 * qsum[m * ngroups + g]);
+            for (int s = 4 * half; s < 4 * half + 4; s++) {
+                __m512i w = _mm512_loadu_si512(wb + 64 * s);
+                for (int m = 0; m < mb; m++)
+                    dot[m] = _mm512_dpbusd_epi32(dot[m], w, _mm512_set1_epi32(*(const int32_t *)(xb + m * K + 4 * s)));
+            }
+            for (int m = 0; m < mb; m++)
+                acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]),
+                                         _mm512_mul_ps(s_vec, _mm512_set1_ps(dx[m * nb + b])), acc[m]);
+        }
+    }
+    const int64_t n0 = t * QG_TILE, left = N - n0;
+    const __mmask16 keep = left >= QG_TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    for (int m = 0; m < mb; m++) _mm512_mask_storeu_ps(y + m * N + n0, keep, acc[m]);
+}
+
 /* mb (compile-time 1..QG_MT) activation rows against tile t, every block of K. qsum: the
  * int8 activations' block sums (i8). */
 INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, const int32_t *qsum,
@@ -93,6 +125,46 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
 INLINE __m256 qg_load8(const float *p, int64_t i, int kind) {   /* 8 scales or mins */
     return (kind & KIND_HALF) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
                               : _mm256_loadu_ps(p + i);
+}
+
+/* AVX2 twin of the VNNI qgemm_tile_g16 (same integer sums, same float operations). */
+INLINE void qgemm_tile_g16(const int8_t *xq, const float *dx, const int32_t *qsum, const int mb,
+                           int64_t K, int kind, const uint8_t *qw, const float *sc, int64_t N,
+                           int64_t t, float *y) {
+    (void)qsum;
+    const int64_t nb = K / 32, ngroups = K / 16;
+    const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
+    for (int h = 0; h < 2; h++) {   /* rows 8h .. 8h + 7 of the tile */
+        __m256 acc[QG_MT];
+        for (int m = 0; m < mb; m++) acc[m] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *wb = qw + (t * nb + b) * 512 + 32 * h;
+            const int8_t *xb = xq + b * 32;
+            for (int half = 0; half < 2; half++) {
+                const __m256 s_vec = qg_load8(sc, (t * ngroups + 2 * b + half) * QG_TILE + 8 * h, kind);
+                __m256i dot[QG_MT];
+                for (int m = 0; m < mb; m++) dot[m] = _mm256_setzero_si256();
+                for (int s = 4 * half; s < 4 * half + 4; s++) {   /* q = stored byte - 128 */
+                    __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wb + 64 * s)), bias);
+                    __m256i wu = _mm256_sign_epi8(w, w);
+                    for (int m = 0; m < mb; m++) {
+                        __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(*(const int32_t *)(xb + m * K + 4 * s)), w);
+                        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), ones));
+                    }
+                }
+                for (int m = 0; m < mb; m++)
+                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]),
+                                             _mm256_mul_ps(s_vec, _mm256_set1_ps(dx[m * nb + b])), acc[m]);
+            }
+        }
+        const int64_t n0 = t * QG_TILE + 8 * h, left = N - n0;
+        for (int m = 0; m < mb; m++) {
+            if (left >= 8) { _mm256_storeu_ps(y + m * N + n0, acc[m]); continue; }
+            float tmp[8];
+            _mm256_storeu_ps(tmp, acc[m]);
+            for (int64_t j = 0; j < left; j++) y[m * N + n0 + j] = tmp[j];
+        }
+    }
 }
 
 /* AVX2: the same tiles as two halves of 8 rows (one ymm lane each), vpmaddubsw + vpmaddwd
@@ -163,23 +235,25 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
 #endif
 
 /* kind 0 = i8, 1 = i4, | KIND_HALF for float16 sc / mn (tiled arrays as above); G a
- * multiple of 32 dividing K. Returns nonzero when a buffer could not be allocated (y untouched). */
+ * multiple of 32 dividing K, or 16 (i8). Returns nonzero when a buffer could not be
+ * allocated (y untouched). */
 int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *qw,
                 const float *sc, const float *mn, int64_t G, int64_t N, float *y, int nthreads) {
     const int64_t nb = K / 32, ngroups = K / G, tiles = (N + QG_TILE - 1) / QG_TILE;
-    const int i4 = (kind & 7) == 1;
+    const int i4 = (kind & 7) == 1, g16 = G == 16;
+    const int64_t sum_len = g16 ? 16 : 32, qstride = K / sum_len;   /* qsum entries per row */
     q8_input in;
     if (q8_prepare(x, M, K, G, i4, &in)) return 1;
     const int8_t *xq = in.qx;
     const float *dx = in.dx, *xsum = in.xsum;
     int32_t *qsum = NULL;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (!i4) {   /* block sums of the int8 activations: what the stored q + 128 adds */
-        qsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * nb));
+    if (!i4) {   /* block (or group of 16) sums of the int8 activations: what q + 128 adds */
+        qsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * qstride));
         if (!qsum) { q8_free(&in); return 1; }
-        for (int64_t i = 0; i < M * nb; i++) {
+        for (int64_t i = 0; i < M * qstride; i++) {
             int32_t v = 0;
-            for (int j = 0; j < 32; j++) v += xq[i * 32 + j];
+            for (int j = 0; j < sum_len; j++) v += xq[i * sum_len + j];
             qsum[i] = v;
         }
     }
@@ -192,10 +266,11 @@ int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *q
             const int64_t mb = M - m0 < QG_MT ? M - m0 : QG_MT;
             const int8_t *xm = xq + m0 * K;
             const float *dm = dx + m0 * nb, *sm = i4 ? xsum + m0 * ngroups : NULL;
-            const int32_t *qm = qsum ? qsum + m0 * nb : NULL;
+            const int32_t *qm = qsum ? qsum + m0 * qstride : NULL;
             float *ym = y + m0 * N;
             switch (mb) {   /* compile-time rows and kind per case: the loops unroll */
-#define QG_KIND(R, KIND) qgemm_tile(xm, dm, sm, qm, R, K, G, KIND, qw, sc, mn, N, t, ym)
+#define QG_KIND(R, KIND) (g16 ? qgemm_tile_g16(xm, dm, qm, R, K, KIND, qw, sc, N, t, ym) \
+                                 : qgemm_tile(xm, dm, sm, qm, R, K, G, KIND, qw, sc, mn, N, t, ym))
 #define QG_CALL(R) switch (kind) { case 0: QG_KIND(R, 0); break; case 1: QG_KIND(R, 1); break; \
                                    case KIND_HALF: QG_KIND(R, KIND_HALF); break;            \
                                    default: QG_KIND(R, KIND_HALF | 1); }

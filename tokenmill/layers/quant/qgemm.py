@@ -32,7 +32,7 @@ class Tiled:
     """qgemm.c's layout of one packed weight (arrays named as there)."""
     kind: int                       # kernels.KIND_I8 / KIND_I4, | KIND_HALF for float16 sc / mn
     qw: torch.Tensor                # uint8 [tiles, K/32, 256 (i4) or 512 (i8: q + 128)]
-    sc: torch.Tensor                # [tiles, K/G, 16], the packed weight's scale dtype
+    sc: torch.Tensor                # [tiles, K/G, 16], the packed weight's scale dtype (G: 16 too)
     mn: Optional[torch.Tensor]      # [tiles, K/G, 16] (i4)
     group_size: int
     out_features: int
@@ -48,8 +48,9 @@ def available() -> bool:
 
 def applies(p: Packed) -> bool:
     """Kinds and shapes the tiled kernel takes (the same as the streaming q8 kernel's)."""
-    return (p.kind in ("i8", "i4") and p.group_size % 32 == 0 and p.in_features % p.group_size == 0
-            and p.qweight.device.type == "cpu")
+    group_ok = p.group_size % 32 == 0 or (p.kind == "i8" and p.group_size == 16 and p.mins is None)
+    return (p.kind in ("i8", "i4") and group_ok and p.in_features % p.group_size == 0
+            and p.in_features % 32 == 0 and p.qweight.device.type == "cpu")
 
 
 def _by_tile(a: torch.Tensor, n: int) -> torch.Tensor:
@@ -64,7 +65,7 @@ def tile(p: Packed) -> Tiled:
     """The tiled copy of a packed int8 / int4 weight (stored column order, like the kernels)."""
     if not applies(p):
         raise ValueError(f"the tiled q8 kernel takes int8 / int4 weights with groups of a multiple "
-                         f"of 32, not {p.kind} with group {p.group_size}")
+                         f"of 32 (or 16 for int8), not {p.kind} with group {p.group_size}")
     n, k, g = p.out_features, p.in_features, p.group_size
     nb = k // 32
     kind = kernels.kind_code(kernels.KIND_I4 if p.kind == "i4" else kernels.KIND_I8, p.scales)

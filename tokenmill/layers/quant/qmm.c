@@ -11,7 +11,7 @@
  * (qgemm.c, included at the end): the same arithmetic, several times faster.
  *
  * Formats (row n of W, group g of G consecutive input columns):
- *   i8:  w = scale[n, g] * q,             q int8
+ *   i8:  w = scale[n, g] * q,             q int8; G may also be 16 (GGUF Q6_K's scales)
  *   i4:  w = scale[n, g] * q + min[n, g], q in 0..15, packed two per byte: in each run of
  *        32 values, byte j holds value j in its low nibble and value j + 16 in its high one
  *        (GGUF's Q4_0 / Q4_1 layout, so those tensors repack by copying bytes)
@@ -92,7 +92,15 @@ INLINE void row_dot(const float *x, int64_t ldx, const int mb, int64_t K, const 
     for (int64_t g = 0; g < ngroups; g++) {
         for (int m = 0; m < mb; m++)
             for (int c = 0; c < chains; c++) part[m][c] = _mm256_setzero_ps();
-        for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+        if (G == 16) {   /* i8 only: a group is half a 32-value step, two vectors */
+            const int64_t k = g * 16;
+            v[0] = load_i8((const int8_t *)w + k);
+            v[1] = load_i8((const int8_t *)w + k + 8);
+            for (int m = 0; m < mb; m++)
+                for (int j = 0; j < 2; j++)
+                    part[m][j % chains] = _mm256_fmadd_ps(
+                        _mm256_loadu_ps(x + m * ldx + k + 8 * j), v[j], part[m][j % chains]);
+        } else for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
             load32(w, k, kind, v);
             for (int m = 0; m < mb; m++)
                 for (int j = 0; j < 4; j++)
@@ -171,12 +179,13 @@ void tm_dequant(const uint8_t *w, const float *scale, const float *mins, int64_t
     for (int64_t n = 0; n < N; n++) {
         __m256 v[4];
         for (int64_t k = 0; k < K; k += 32) {
-            int64_t g = n * ngroups + k / G;
-            __m256 s = _mm256_set1_ps(at(scale, g, kind) * fold);
-            __m256 m = _mm256_set1_ps((kind & 7) == 1 ? at(mins, g, kind) : 0.0f);
             load32(w + n * row_bytes, k, kind, v);
-            for (int j = 0; j < 4; j++)
+            for (int j = 0; j < 4; j++) {   /* the group of each 8 values (G may be 16) */
+                int64_t g = n * ngroups + (k + 8 * j) / G;
+                __m256 s = _mm256_set1_ps(at(scale, g, kind) * fold);
+                __m256 m = _mm256_set1_ps((kind & 7) == 1 ? at(mins, g, kind) : 0.0f);
                 _mm256_storeu_ps(out + n * K + k + 8 * j, _mm256_fmadd_ps(v[j], s, m));
+            }
         }
     }
 }
@@ -186,7 +195,8 @@ void tm_dequant(const uint8_t *w, const float *scale, const float *mins, int64_t
  * Q8_0 scheme llama.cpp uses for its quantized matmuls); each 32-value product of weights
  * and activations is then one vpmaddubsw + vpmaddwd in exact integer arithmetic, about a
  * quarter of the instructions of expanding weights to fp32. The int4 affine term uses the
- * exact fp32 group sums of x. Only kinds 0 (i8) and 1 (i4) (| KIND_HALF), G a multiple of 32. */
+ * exact fp32 group sums of x. Only kinds 0 (i8) and 1 (i4) (| KIND_HALF), G a multiple of 32
+ * (or 16 for i8). */
 void tm_quantize_q8(const float *x, int64_t M, int64_t K, int8_t *qx, float *dx) {
     for (int64_t m = 0; m < M; m++)
         for (int64_t b = 0; b < K / 32; b++) {
@@ -286,11 +296,45 @@ INLINE void tile_q8_pg(const int8_t *qx, const float *dx, const int mb, const in
         for (int r = 0; r < R; r++) out[m * R + r] = hsum(acc[m][r]) + lin[m][r];
 }
 
+/* int8 weights with a scale per 16 values (GGUF Q6_K): each 32-value block's dot has
+ * values 0..15 in int32 lanes 0-3 and 16..31 in lanes 4-7 (four bytes per lane, in
+ * order), so one vector holding the two groups' scales applies both. */
+INLINE void tile_q8_g16(const int8_t *qx, const float *dx, const int mb, const int R, int64_t K,
+                        const uint8_t *w, int64_t row_bytes, const float *scale, int kind,
+                        float *out) {
+    const int64_t nb = K / 32, ngroups = K / 16;
+    __m256 acc[4][4];
+    for (int m = 0; m < mb; m++)
+        for (int r = 0; r < R; r++) acc[m][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t k = b * 32;
+        __m256i xv[4];
+        for (int m = 0; m < mb; m++) xv[m] = _mm256_loadu_si256((const __m256i *)(qx + m * K + k));
+        if ((k & 63) == 0)
+            for (int r = 0; r < R; r++)
+                _mm_prefetch((const char *)(w + (r + R) * row_bytes + k), _MM_HINT_NTA);
+        for (int r = 0; r < R; r++) {
+            __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * row_bytes + k));
+            __m256i wu = _mm256_sign_epi8(wv, wv);
+            const __m256 sv = _mm256_set_m128(_mm_set1_ps(at(scale, r * ngroups + 2 * b + 1, kind)),
+                                              _mm_set1_ps(at(scale, r * ngroups + 2 * b, kind)));
+            for (int m = 0; m < mb; m++) {
+                __m256i dot = dot_u8s8(wu, _mm256_sign_epi8(xv[m], wv));
+                acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                            _mm256_mul_ps(sv, _mm256_set1_ps(dx[m * nb + b])), acc[m][r]);
+            }
+        }
+    }
+    for (int m = 0; m < mb; m++)
+        for (int r = 0; r < R; r++) out[m * R + r] = hsum(acc[m][r]);
+}
+
 /* GGUF's groups are one block (G = 32): that case gets its own copy with the inner loop gone. */
 INLINE void tile_q8(const int8_t *qx, const float *dx, const int mb, const int R, int64_t K,
                     const uint8_t *w, int64_t row_bytes, const float *scale, const float *mins,
                     int64_t G, int kind, const float *xsum, float *out) {
-    if (G == 32) tile_q8_pg(qx, dx, mb, R, K, w, row_bytes, scale, mins, 32, kind, xsum, out, 1);
+    if (G == 16) tile_q8_g16(qx, dx, mb, R, K, w, row_bytes, scale, kind, out);
+    else if (G == 32) tile_q8_pg(qx, dx, mb, R, K, w, row_bytes, scale, mins, 32, kind, xsum, out, 1);
     else tile_q8_pg(qx, dx, mb, R, K, w, row_bytes, scale, mins, G, kind, xsum, out, G / 32);
 }
 

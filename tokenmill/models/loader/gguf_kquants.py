@@ -147,16 +147,26 @@ def dequant_q5_k(blocks: np.ndarray) -> np.ndarray:
     return _k_affine(blocks, q5_k_values(blocks))
 
 
+def q6_k_values(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K: 128 bytes of low nibbles and 64 bytes of high bit pairs -> the 256 values
+    q - 32 (-32..31) in order, int8 [n, 256]."""
+    n = blocks.shape[0]
+    low = _unpack(blocks[:, :128].reshape(n, 2, 64), (0, 4), 0x0F).reshape(n, 8, 32)
+    high = _unpack(blocks[:, 128:192].reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 8, 32)
+    return ((low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)).reshape(n, QK_K)
+
+
+def q6_k_scales(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K: d * scale of the 16 sub-blocks of 16 values, float32 [n, 16]."""
+    return _f16(blocks, 208) * np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
+
+
 def dequant_q6_k(blocks: np.ndarray) -> np.ndarray:
     # block_q6_K: 128 bytes low nibbles, 64 bytes high bit pairs, 16 int8 scales, fp16 d;
     # value = d * scale * (q - 32) over 16 sub-blocks of 16
     n = blocks.shape[0]
-    low = _unpack(blocks[:, :128].reshape(n, 2, 64), (0, 4), 0x0F).reshape(n, 8, 32)
-    high = _unpack(blocks[:, 128:192].reshape(n, 2, 32), (0, 2, 4, 6), 0x03).reshape(n, 8, 32)
-    q = ((low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)).astype(np.float32)
-    scales = np.ascontiguousarray(blocks[:, 192:208]).view(np.int8).astype(np.float32)
-    d = (_f16(blocks, 208) * scales).reshape(n, 16, 1)
-    return (d * q.reshape(n, 16, 16)).reshape(n, QK_K)
+    q = q6_k_values(blocks).astype(np.float32).reshape(n, 16, 16)
+    return (q6_k_scales(blocks).reshape(n, 16, 1) * q).reshape(n, QK_K)
 
 
 # ggml type id -> dequantizer of [num_blocks, type_size] blocks
