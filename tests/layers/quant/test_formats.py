@@ -19,10 +19,11 @@ def _packed(kind, w, group):
         return F.quantize_int8(w)
     if kind == "i8g16":   # int8 with 16-value groups, as GGUF Q6_K repacks
         group = 16
-    if kind in ("i8g", "i8g16"):   # grouped int8, as GGUF Q8_0 repacks
+    if kind in ("i8g", "i8g16", "i8m"):   # grouped int8, as GGUF Q8_0 repacks
         q = F.quantize_int8(w)
+        mins = torch.randn(w.shape[0], w.shape[1] // group) if kind == "i8m" else None   # Q5_1 / Q5_K
         return F.Packed("i8", q.qweight, torch.rand(w.shape[0], w.shape[1] // group) + 0.1,
-                        None, group, *w.shape)
+                        mins, group, *w.shape)
     if kind == "i4":
         return F.quantize_int4(w, group)
     return F.quantize_fp8(w)
@@ -63,7 +64,7 @@ def test_pick_group_size():
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["i8", "i8g", "i8g16", "i4", "f8"])
+@pytest.mark.parametrize("kind", ["i8", "i8g", "i8g16", "i8m", "i4", "f8"])
 @pytest.mark.parametrize("n,k,group", SHAPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])
 @pytest.mark.parametrize("mode", ["fp32", "q8"])
@@ -123,7 +124,7 @@ def test_fallback_path_equals_reference():
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["i8", "i8g", "i8g16", "i4", "f8"])
+@pytest.mark.parametrize("kind", ["i8", "i8g", "i8g16", "i8m", "i4", "f8"])
 def test_compiled_dequant_equals_reference(kind):
     torch.manual_seed(3)
     w = torch.randn(72, 256)

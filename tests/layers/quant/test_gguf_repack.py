@@ -11,8 +11,9 @@ from tokenmill.layers.quant.formats import Packed, dequantize_stored
 from tokenmill.layers.quant.matmul import packed_linear, reference_linear
 from tokenmill.models.loader.gguf_quants import dequantize, ggml_type
 
-TYPE_IDS = {"Q8_0": 8, "Q5_0": 6, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}
-FP16_FIELDS = {"Q8_0": [0], "Q5_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}
+TYPE_IDS = {"Q8_0": 8, "Q5_0": 6, "Q5_1": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+FP16_FIELDS = {"Q8_0": [0], "Q5_0": [0], "Q5_1": [0, 2], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2],
+               "Q5_K": [0, 2], "Q6_K": [208]}
 SHAPES = [(3, 256), (8, 512), (17, 768)]   # [N, K]: K a multiple of Q4_K's 256
 
 
@@ -47,10 +48,11 @@ def test_packed_kinds_cover_the_table():
     assert set(gguf.PACKED_KIND) == set(TYPE_IDS)
     assert gguf.PACKED_KIND["Q5_0"] == "i8" and gguf.PACKED_KIND["Q4_K"] == "i4"
     assert gguf.PACKED_KIND["Q6_K"] == "i8" and gguf.GROUP_SIZE["Q6_K"] == 16
+    assert gguf.HAS_MINS["Q5_K"] and gguf.HAS_MINS["Q5_1"] and not gguf.HAS_MINS["Q5_0"]
 
 
 @pytest.mark.skipif(not native.buildable(), reason="no C compiler, or a CPU without AVX2")
-@pytest.mark.parametrize("type_name", ["Q5_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("activations", ["fp32", "q8"])
 @pytest.mark.parametrize("rows", [1, 3, 5, 40])
 def test_kernels_on_repacked_k_quants_match_the_reference(type_name, activations, rows):

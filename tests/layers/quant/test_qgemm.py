@@ -20,11 +20,12 @@ def _packed(kind: str, n: int, k: int, seed: int) -> F.Packed:
     w = torch.randn(n, k, generator=g)
     if kind == "i8":          # per-channel: one group of K
         return F.quantize_int8(w)
-    if kind in ("i8-g32", "i8-g16"):   # GGUF Q8_0 (float16 block scales) / Q6_K (16 values)
-        group = int(kind.split("-g")[1])
+    if kind in ("i8-g32", "i8-g16", "i8m-g32"):   # GGUF Q8_0 (float16 block scales) / Q6_K
+        group = int(kind.split("-g")[1])          # (16 values) / Q5_K (with mins)
         q = F.quantize_int8(w)
         scales = torch.rand(n, k // group, generator=g) + 0.1
-        return F.Packed("i8", q.qweight, scales.half() if group == 32 else scales, None, group, n, k)
+        mins = torch.randn(n, k // group, generator=g) if kind.startswith("i8m") else None
+        return F.Packed("i8", q.qweight, scales.half() if kind == "i8-g32" else scales, mins, group, n, k)
     group = int(kind.split("-g")[1])
     p = F.quantize_int4(w, group)
     if group == 32:           # GGUF Q4_1: float16 scales and mins
@@ -40,7 +41,7 @@ def test_tile_layout_refuses_other_kinds():
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["i8", "i8-g32", "i8-g16", "i4-g32", "i4-g64", "i4-g128"])
+@pytest.mark.parametrize("kind", ["i8", "i8-g32", "i8-g16", "i8m-g32", "i4-g32", "i4-g64", "i4-g128"])
 @pytest.mark.parametrize("n,k", [(16, 128), (40, 256), (200, 384), (33, 1536)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 70])
 def test_tiled_kernel_matches_q8_reference(kind, n, k, rows):
@@ -59,7 +60,7 @@ def test_tiled_kernel_takes_zero_rows():
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["i8-g32", "i8-g16", "i4-g32"])
+@pytest.mark.parametrize("kind", ["i8-g32", "i8-g16", "i8m-g32", "i4-g32"])
 def test_tiled_kernel_agrees_with_the_streaming_q8_kernel(kind):
     """Same integer block dots and scales: only the float summation order differs, and a row's
     result does not depend on the other rows of the call."""
@@ -131,7 +132,7 @@ def both_builds(tmp_path_factory):
 
 
 @needs_vnni
-@pytest.mark.parametrize("kind", ["i8", "i8-g32", "i8-g16", "i4-g32", "i4-g64"])
+@pytest.mark.parametrize("kind", ["i8", "i8-g32", "i8-g16", "i8m-g32", "i4-g32", "i4-g64"])
 def test_both_builds_are_bit_identical(kind, both_builds):
     """The VNNI build's one-instruction dot products sum the same exact integers in the same
     lanes as the AVX2 build's instruction pairs, then run the same float operations: the

@@ -187,13 +187,13 @@ def _scale_loader(layer: nn.Module):
 
 
 class GGUFMethod(PackedLinearMethod):
-    """GGUF Q8_0 / Q5_0 / Q6_K (kind "i8") or Q4_0 / Q4_1 / Q4_K (kind "i4") kept packed:
-    groups of 32 values (16 for Q6_K); gguf.py repacks the blocks."""
+    """GGUF blocks kept packed (gguf.py repacks them): kind "i8" (Q8_0, Q5_0, Q6_K; Q5_1 and
+    Q5_K with mins) or "i4" (Q4_0, Q4_1, Q4_K, with mins), groups of 32 values (16 for Q6_K)."""
     name = "gguf"
 
-    def __init__(self, kind: str, group_size: int = 32, **kw):
+    def __init__(self, kind: str, group_size: int = 32, has_mins: bool = False, **kw):
         super().__init__(**kw)
-        self.kind, self.group_size = kind, group_size
+        self.kind, self.group_size, self.has_mins = kind, group_size, has_mins or kind == "i4"
 
     def create_weights(self, layer):
         n, k, g = layer.out_features, layer.in_features, self.group_size
@@ -202,13 +202,14 @@ class GGUFMethod(PackedLinearMethod):
         else:
             new_param(layer, "qweight", torch.zeros(n, k // 2, dtype=torch.uint8), input_dim=1,
                       input_pack=2)
+        if self.has_mins:
             new_param(layer, "mins", torch.zeros(n, k // g), input_dim=1, input_pack=g)
         new_param(layer, "scales", torch.zeros(n, k // g), input_dim=1, input_pack=g)
 
     def process_weights_after_loading(self, layer):
         n, k = layer.out_features, layer.in_features
         scales = layer.scales.data
-        mins = layer.mins.data if self.kind == "i4" else None
+        mins = layer.mins.data if self.has_mins else None
         # Block fields stored as fp16 in the file (or products of them that fp16 holds
         # exactly): kept as float16 they are half the bytes the matmul streams per step, with
         # the same values (checked: Q4_0's -8 d could overflow; K-quant products may not fit).
@@ -228,12 +229,11 @@ def method_for(spec, module_name: str, layer: nn.Module, sources: list[str]):
     if spec.method == "fp8-ckpt":
         return FP8CheckpointMethod(**kw)
     if spec.method == "gguf":
-        from tokenmill.layers.quant.gguf import GROUP_SIZE, PACKED_KIND
+        from tokenmill.layers.quant.gguf import GROUP_SIZE, HAS_MINS, PACKED_KIND
         types = {qc["types"].get(s, "") for s in sources}
-        layouts = {(PACKED_KIND.get(t), GROUP_SIZE.get(t)) for t in types}
-        if len(layouts) == 1 and (None, None) not in layouts:   # fused shards share one layout
-            kind, group = layouts.pop()
-            return GGUFMethod(kind, group, **kw)
+        layouts = {(PACKED_KIND.get(t), GROUP_SIZE.get(t), HAS_MINS.get(t)) for t in types}
+        if len(layouts) == 1 and (None, None, None) not in layouts:   # fused shards: one layout
+            return GGUFMethod(*layouts.pop(), **kw)
         return UnquantizedLinearMethod()
     raise ValueError(f"unknown quantization method {spec.method!r}")
 

@@ -11,9 +11,9 @@ with the same dequantized values as the GGUF reference (tests/quantization/test_
   chunks, scale d * sc and min -(dmin * m), the products rounded once to float32 as ggml's
   own dequantizer rounds them;
 - Q6_K -> int8 values q - 32 (-32..31) in groups of 16 (its sub-blocks), scale d * sc: the
-  int8 kernels take 16-value groups (two scales per 32-value step).
-Q5_1 / Q5_K need an int8 affine term the kernels lack: those tensors are expanded to
-float32 as before.
+  int8 kernels take 16-value groups (two scales per 32-value step);
+- Q5_1 / Q5_K -> int8 values q (0..31) with scale and min, the int4 affine form on int8
+  values: Q5_1 d and m; Q5_K d * sc and -(dmin * m) per sub-block of 32.
 Rows keep the same fix-up (llama q/k RoPE order) as the float path, and a stacked expert
 tensor is repacked one expert (one HF weight name) at a time.
 """
@@ -28,9 +28,11 @@ from tokenmill.models.loader import gguf_kquants, gguf_llama
 from tokenmill.models.loader.gguf_quants import ggml_type
 
 # GGML type name -> the packed kind it becomes, and its group size
-PACKED_KIND = {"Q8_0": "i8", "Q5_0": "i8", "Q4_0": "i4", "Q4_1": "i4", "Q4_K": "i4", "Q6_K": "i8"}
+PACKED_KIND = {"Q8_0": "i8", "Q5_0": "i8", "Q5_1": "i8", "Q4_0": "i4", "Q4_1": "i4",
+               "Q4_K": "i4", "Q5_K": "i8", "Q6_K": "i8"}
 GROUP_SIZE = {name: 16 if name == "Q6_K" else 32 for name in PACKED_KIND}
-_TYPE_ID = {"Q8_0": 8, "Q5_0": 6, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}
+HAS_MINS = {name: name in ("Q4_0", "Q4_1", "Q4_K", "Q5_1", "Q5_K") for name in PACKED_KIND}
+_TYPE_ID = {"Q8_0": 8, "Q5_0": 6, "Q5_1": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 
 def tensor_types(checkpoint) -> dict[str, str]:
@@ -67,17 +69,21 @@ def repack(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> dict[str,
     if type_name == "Q6_K":
         return {"qweight": gguf_kquants.q6_k_values(flat).reshape(n, k),
                 "scales": gguf_kquants.q6_k_scales(flat).reshape(n, k // 16)}
-    if type_name == "Q4_K":
+    if type_name in ("Q4_K", "Q5_K"):
         scale, low = gguf_kquants.k_sub_block_params(flat)
-        values = gguf_kquants.q4_k_values(flat).reshape(n, k)
-        return {"qweight": _pack_nibbles(values), "scales": scale.reshape(n, k // 32),
-                "mins": -low.reshape(n, k // 32)}
+        affine = {"scales": scale.reshape(n, k // 32), "mins": -low.reshape(n, k // 32)}
+        if type_name == "Q5_K":
+            return {"qweight": gguf_kquants.q5_k_values(flat).reshape(n, k).view(np.int8), **affine}
+        return {"qweight": _pack_nibbles(gguf_kquants.q4_k_values(flat).reshape(n, k)), **affine}
     d = _f16_field(blocks, 0)
     if type_name == "Q8_0":
         return {"qweight": np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(n, k), "scales": d}
     if type_name == "Q5_0":
         q = gguf_kquants.q5_values(flat, 2).astype(np.int8) - np.int8(16)
         return {"qweight": q.reshape(n, k), "scales": d}
+    if type_name == "Q5_1":
+        q = gguf_kquants.q5_values(flat, 4).view(np.int8)
+        return {"qweight": q.reshape(n, k), "scales": d, "mins": _f16_field(blocks, 2)}
     if type_name == "Q4_0":
         return {"qweight": blocks[:, :, 2:].reshape(n, k // 2), "scales": d, "mins": -8.0 * d}
     return {"qweight": blocks[:, :, 4:].reshape(n, k // 2), "scales": d, "mins": _f16_field(blocks, 2)}

@@ -19,7 +19,7 @@
  *   i8: qw[t][b][s][j][4] uint8 = q + 128 of value 4s + byte; the VNNI build takes
  *       128 * (sum of the block's int8 activations) off each block's dot, the AVX2 build
  *       restores q (vpmaddubsw's int16 pairs cannot hold (q + 128) * x)
- *   sc[t][g][j]: row j's scale of group g; mn[t][g][j] (i4): its min (w = sc * q + mn), times
+ *   sc[t][g][j]: row j's scale of group g; mn[t][g][j] (i4, i8 with mins): its min (w = sc * q + mn), times
  *       the exact float sum of x over the group. float32, or float16 (kind | KIND_HALF)
  *       where the checkpoint's own are (GGUF): converted exactly, half the bytes.
  * Rows past N are zero in every array (and their outputs are not stored).
@@ -109,7 +109,7 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]),
                                          _mm512_mul_ps(s_vec, _mm512_set1_ps(dx[m * nb + b])), acc[m]);
         }
-        if (i4) {   /* the affine term of the group */
+        if (mn) {   /* the affine term of the group */
             const __m512 mn_vec = qg_load16(mn, (t * ngroups + g) * QG_TILE, kind);
             for (int m = 0; m < mb; m++)
                 acc[m] = _mm512_fmadd_ps(mn_vec, _mm512_set1_ps(xsum[m * ngroups + g]), acc[m]);
@@ -217,7 +217,7 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
                     acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]),
                                              _mm256_mul_ps(s_vec, _mm256_set1_ps(dx[m * nb + b])), acc[m]);
             }
-            if (i4) {
+            if (mn) {   /* the affine term of the group */
                 const __m256 mn_vec = qg_load8(mn, (t * ngroups + g) * QG_TILE + 8 * h, kind);
                 for (int m = 0; m < mb; m++)
                     acc[m] = _mm256_fmadd_ps(mn_vec, _mm256_set1_ps(xsum[m * ngroups + g]), acc[m]);
@@ -243,7 +243,7 @@ int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *q
     const int i4 = (kind & 7) == 1, g16 = G == 16;
     const int64_t sum_len = g16 ? 16 : 32, qstride = K / sum_len;   /* qsum entries per row */
     q8_input in;
-    if (q8_prepare(x, M, K, G, i4, &in)) return 1;
+    if (q8_prepare(x, M, K, G, mn != NULL, &in)) return 1;
     const int8_t *xq = in.qx;
     const float *dx = in.dx, *xsum = in.xsum;
     int32_t *qsum = NULL;
@@ -265,7 +265,7 @@ int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *q
         for (int64_t m0 = 0; m0 < M; m0 += QG_MT) {
             const int64_t mb = M - m0 < QG_MT ? M - m0 : QG_MT;
             const int8_t *xm = xq + m0 * K;
-            const float *dm = dx + m0 * nb, *sm = i4 ? xsum + m0 * ngroups : NULL;
+            const float *dm = dx + m0 * nb, *sm = mn ? xsum + m0 * ngroups : NULL;
             const int32_t *qm = qsum ? qsum + m0 * qstride : NULL;
             float *ym = y + m0 * N;
             switch (mb) {   /* compile-time rows and kind per case: the loops unroll */

@@ -33,7 +33,7 @@ class Tiled:
     kind: int                       # kernels.KIND_I8 / KIND_I4, | KIND_HALF for float16 sc / mn
     qw: torch.Tensor                # uint8 [tiles, K/32, 256 (i4) or 512 (i8: q + 128)]
     sc: torch.Tensor                # [tiles, K/G, 16], the packed weight's scale dtype (G: 16 too)
-    mn: Optional[torch.Tensor]      # [tiles, K/G, 16] (i4)
+    mn: Optional[torch.Tensor]      # [tiles, K/G, 16] (i4, i8 with mins)
     group_size: int
     out_features: int
     in_features: int
@@ -78,7 +78,8 @@ def tile(p: Packed) -> Tiled:
         return Tiled(kind, qw, _by_tile(p.scales, n), _by_tile(p.mins.to(p.scales.dtype), n), g, n, k)
     q = (p.qweight.view(torch.int8).view(n, nb * 32).to(torch.int16) + 128).to(torch.uint8)
     steps = _by_tile(q, n).view(-1, nb, 8, 4, TILE).permute(0, 1, 2, 4, 3)   # [t, b, s, j, i]
-    return Tiled(kind, steps.reshape(-1, nb, 512).contiguous(), _by_tile(p.scales, n), None, g, n, k)
+    mn = _by_tile(p.mins.to(p.scales.dtype), n) if p.mins is not None else None   # Q5_1 / Q5_K
+    return Tiled(kind, steps.reshape(-1, nb, 512).contiguous(), _by_tile(p.scales, n), mn, g, n, k)
 
 
 def qgemm_q8(x: torch.Tensor, t: Tiled) -> torch.Tensor:

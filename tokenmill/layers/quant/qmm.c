@@ -11,7 +11,8 @@
  * (qgemm.c, included at the end): the same arithmetic, several times faster.
  *
  * Formats (row n of W, group g of G consecutive input columns):
- *   i8:  w = scale[n, g] * q,             q int8; G may also be 16 (GGUF Q6_K's scales)
+ *   i8:  w = scale[n, g] * q [+ min[n, g]], q int8; G may also be 16 (GGUF Q6_K's scales,
+ *        no mins); mins: GGUF Q5_1 / Q5_K, 5-bit values 0..31 with an affine term
  *   i4:  w = scale[n, g] * q + min[n, g], q in 0..15, packed two per byte: in each run of
  *        32 values, byte j holds value j in its low nibble and value j + 16 in its high one
  *        (GGUF's Q4_0 / Q4_1 layout, so those tensors repack by copying bytes)
@@ -112,7 +113,7 @@ INLINE void row_dot(const float *x, int64_t ldx, const int mb, int64_t K, const 
             __m256 p = part[m][0];
             for (int c = 1; c < chains; c++) p = _mm256_add_ps(p, part[m][c]);
             acc[m] = _mm256_fmadd_ps(s, p, acc[m]);
-            if ((kind & 7) == 1) lin[m] += at(mins, g, kind) * xsum[m * ngroups + g];
+            if (mins) lin[m] += at(mins, g, kind) * xsum[m * ngroups + g];
         }
     }
     for (int m = 0; m < mb; m++) out[m] = hsum(acc[m]) + lin[m];
@@ -148,7 +149,7 @@ void tm_qmm(const float *x, int64_t M, int64_t K, const uint8_t *w, const float 
             const float *mins, int64_t G, int64_t N, int kind, float *y, int nthreads) {
     int64_t ngroups = K / G, row_bytes = (kind & 7) == 1 ? K / 2 : K;
     float *xsum = NULL;
-    if ((kind & 7) == 1) {  /* per-group sums of x carry the affine (min) term of int4 */
+    if (mins) {  /* per-group sums of x carry the affine (min) term */
         xsum = (float *)malloc(sizeof(float) * (size_t)(M * ngroups));
         group_sums(x, M, K, G, xsum);
     }
@@ -183,7 +184,7 @@ void tm_dequant(const uint8_t *w, const float *scale, const float *mins, int64_t
             for (int j = 0; j < 4; j++) {   /* the group of each 8 values (G may be 16) */
                 int64_t g = n * ngroups + (k + 8 * j) / G;
                 __m256 s = _mm256_set1_ps(at(scale, g, kind) * fold);
-                __m256 m = _mm256_set1_ps((kind & 7) == 1 ? at(mins, g, kind) : 0.0f);
+                __m256 m = _mm256_set1_ps(mins ? at(mins, g, kind) : 0.0f);
                 _mm256_storeu_ps(out + n * K + k + 8 * j, _mm256_fmadd_ps(v[j], s, m));
             }
         }
@@ -266,7 +267,7 @@ INLINE void tile_q8_pg(const int8_t *qx, const float *dx, const int mb, const in
     for (int64_t g = 0; g < ngroups; g++) {
         float sc[4];
         for (int r = 0; r < R; r++) sc[r] = at(scale, r * ngroups + g, kind);
-        if (i4)   /* the affine term: independent chains, not a serial loop per row after */
+        if (mins)   /* the affine term: independent chains, not a serial loop per row after */
             for (int r = 0; r < R; r++) {
                 const float mn = at(mins, r * ngroups + g, kind);
                 for (int m = 0; m < mb; m++) lin[m][r] += mn * xsum[m * ngroups + g];
@@ -362,19 +363,19 @@ INLINE void tile_q8(const int8_t *qx, const float *dx, const int mb, const int R
     }
 
 /* The inputs of both q8 kernels: x [M, K] rounded to int8 per run of 32 (qx, scales dx)
- * and, for int4 weights (i4), its exact float sums per group of G (xsum). */
+ * and, for weights with mins (affine), its exact float sums per group of G (xsum). */
 typedef struct { int8_t *qx; float *dx, *xsum; } q8_input;
 
 static void q8_free(q8_input *in) { free(in->qx); free(in->dx); free(in->xsum); }
 
 /* Returns nonzero, with nothing left allocated, when a buffer could not be allocated. */
-static int q8_prepare(const float *x, int64_t M, int64_t K, int64_t G, int i4, q8_input *in) {
+static int q8_prepare(const float *x, int64_t M, int64_t K, int64_t G, int affine, q8_input *in) {
     in->qx = (int8_t *)malloc((size_t)(M * K));
     in->dx = (float *)malloc(sizeof(float) * (size_t)(M * (K / 32)));
-    in->xsum = i4 ? (float *)malloc(sizeof(float) * (size_t)(M * (K / G))) : NULL;
-    if (!in->qx || !in->dx || (i4 && !in->xsum)) { q8_free(in); return 1; }
+    in->xsum = affine ? (float *)malloc(sizeof(float) * (size_t)(M * (K / G))) : NULL;
+    if (!in->qx || !in->dx || (affine && !in->xsum)) { q8_free(in); return 1; }
     tm_quantize_q8(x, M, K, in->qx, in->dx);
-    if (i4) group_sums(x, M, K, G, in->xsum);
+    if (affine) group_sums(x, M, K, G, in->xsum);
     return 0;
 }
 
@@ -383,7 +384,7 @@ int tm_qmm_q8(const float *x, int64_t M, int64_t K, const uint8_t *w, const floa
               const float *mins, int64_t G, int64_t N, int kind, float *y, int nthreads) {
     const int64_t ngroups = K / G, nb = K / 32, row_bytes = (kind & 7) == 1 ? K / 2 : K;
     q8_input in;
-    if (q8_prepare(x, M, K, G, (kind & 7) == 1, &in)) return 1;
+    if (q8_prepare(x, M, K, G, mins != NULL, &in)) return 1;
     const int8_t *qx = in.qx;
     const float *dx = in.dx, *xsum = in.xsum;
     const int64_t tiles = (N + 3) / 4;   /* four weight rows per task; the last may be short */
