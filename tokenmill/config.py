@@ -10,6 +10,7 @@ from typing import Optional
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "reference", "triton")
+CPU_GEMM_DTYPES = ("float32", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "fp16", "float16", "bf16", "bfloat16", "int8", "fp8", "fp8_e4m3")
 
 
@@ -55,8 +56,16 @@ class ModelConfig:
     # more. Ignored off CPU. Packed int8 / int4 linears with q8 activations get a tiled
     # copy of their weights the same way (layers/quant/qgemm.py).
     cpu_weight_prepack: bool = True
+    # The dtype of that oneDNN copy: "float32", or "bfloat16" (opt-in, CPUs with AVX-512
+    # BF16 only): many-row matmuls of float32 linears round weights, activations and their
+    # results to bf16, accumulating in fp32 (~1.6-2.8x the fp32 GEMM rate on Zen 5, half
+    # the copy's memory; fidelity in docs/bench). Decode-sized steps keep the float32 kernels.
+    cpu_gemm_dtype: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.cpu_gemm_dtype not in CPU_GEMM_DTYPES:
+            raise ValueError(f"cpu_gemm_dtype must be one of {', '.join(CPU_GEMM_DTYPES)}, "
+                             f"got {self.cpu_gemm_dtype!r}")
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ValueError(f"quantization must be a string or None, got {self.quantization!r}")
         if self.quant_activations not in ("fp32", "q8"):

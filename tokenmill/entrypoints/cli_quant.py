@@ -60,6 +60,8 @@ def add_eval_parser(sub) -> None:
                         "(64-128) makes later chunks read the KV cache back")
     p.add_argument("--quant-activations", default="fp32", choices=["fp32", "q8"],
                    help="activations of int8 / int4 weight matmuls (q8: llama.cpp's integer dots)")
+    p.add_argument("--cpu-gemm-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="bfloat16: many-row matmuls on a bf16 oneDNN copy (AVX-512 BF16 CPUs)")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", action="store_true", help="only the JSON line")
     p.set_defaults(func=cmd_eval_ppl)
@@ -70,7 +72,7 @@ def cmd_eval_ppl(args) -> int:
     result = evaluate(args.model, args.quantization, args.max_tokens, args.context_len,
                       kl_base=args.kl_base, num_threads=args.num_threads, cache_dir=_cache_dir(),
                       kv_cache_dtype=args.kv_cache_dtype, chunk_size=args.chunk_size,
-                      quant_activations=args.quant_activations)
+                      quant_activations=args.quant_activations, cpu_gemm_dtype=args.cpu_gemm_dtype)
     if not args.json:
         for key, value in result.items():
             print(f"{key:>16}: {value}")

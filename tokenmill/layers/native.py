@@ -74,6 +74,12 @@ def has_vnni() -> bool:
     return cpu_supported() and _VNNI_CPU_FLAGS <= cpu_flags()
 
 
+def has_avx512_bf16() -> bool:
+    """True when this CPU multiplies bfloat16 natively (AVX-512 BF16: Zen 4+, Sapphire
+    Rapids+); elsewhere bf16 GEMMs are emulated and far slower than float32."""
+    return {"avx512f", "avx512_bf16"} <= cpu_flags()
+
+
 def compiler() -> Optional[str]:
     """The C compiler the kernels are built with, or None when there is none."""
     return shutil.which("cc") or shutil.which("gcc")

@@ -8,7 +8,10 @@ prepacked: gate_up [3072, 576] at 32 rows 76 vs 117, 64 rows 84 vs 99-101, 512 r
 ShareGPT prompts, 64 tokens each, same process A/B): 88-93 -> 110-114 tok/s.
 
 The copy costs the float weights' memory once more (``LLM(cpu_weight_prepack=False)`` /
-``--no-cpu-weight-prepack`` turns it off). The small-row decode path keeps reading the plain
+``--no-cpu-weight-prepack`` turns it off). ``cpu_gemm_dtype="bfloat16"`` keeps it in bf16
+instead (half that memory): activations are rounded to bf16 for these matmuls, oneDNN
+accumulates in fp32 and rounds the result to bf16 (its output has the input's dtype); only CPUs with AVX-512 BF16 multiply bf16 natively, so other CPUs are
+refused (bf16 is emulated there, tens of times slower than fp32). The small-row decode path keeps reading the plain
 weight (its kernel streams rows; cpu_ops.linear). A layer whose weight tensor is replaced
 after packing falls back to F.linear until ``prepack_linears`` runs again.
 """
@@ -31,10 +34,23 @@ def available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Give every float32 CPU ``Linear`` with a plain weight its oneDNN copy; returns the
-    bytes added (0 when oneDNN is missing). A tied head shares its tensor with the
-    embedding, so the head is packed like any other weight."""
+def check_gemm_dtype(gemm_dtype: torch.dtype) -> None:
+    """bf16 copies only where the CPU multiplies bf16 natively (a clear error elsewhere)."""
+    from tokenmill.layers import native
+    if gemm_dtype is torch.bfloat16 and not native.has_avx512_bf16():
+        raise ValueError("cpu_gemm_dtype='bfloat16' needs a CPU with AVX-512 BF16 (Zen 4 / "
+                         "Sapphire Rapids or newer); this one would emulate bf16 far slower "
+                         "than float32")
+    if gemm_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the oneDNN weight copy is float32 or bfloat16, not {gemm_dtype}")
+
+
+def prepack_linears(model: nn.Module, gemm_dtype: torch.dtype = torch.float32) -> int:
+    """Give every float32 CPU ``Linear`` with a plain weight its oneDNN copy in
+    ``gemm_dtype`` (float32 or bfloat16); returns the bytes added (0 when oneDNN is
+    missing). A tied head shares its tensor with the embedding, so the head is packed like
+    any other weight."""
+    check_gemm_dtype(gemm_dtype)
     from tokenmill.layers.linear import Linear
     from tokenmill.layers.quant.methods import UnquantizedLinearMethod
     if not available():
@@ -46,9 +62,10 @@ def prepack_linears(model: nn.Module) -> int:
                 and isinstance(weight, torch.Tensor) and weight.dtype is torch.float32
                 and weight.device.type == "cpu" and weight.dim() == 2):
             continue
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS_HINT)
-        module.prepacked = (packed, weight.data_ptr())
-        added += weight.numel() * weight.element_size()
+        packed = torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach().contiguous().to(gemm_dtype), PACK_ROWS_HINT)
+        module.prepacked = (packed, weight.data_ptr(), gemm_dtype)
+        added += weight.numel() * gemm_dtype.itemsize
     return added
 
 
@@ -62,4 +79,9 @@ def linear(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> O
             or x.dim() != 2 or x.dtype is not torch.float32 or x.is_cuda
             or (bias is not None and bias.dtype is not torch.float32)):
         return None
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), entry[0], bias, "none", [], "")
+    packed, _, gemm_dtype = entry
+    if gemm_dtype is torch.float32:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+    y = torch.ops.mkldnn._linear_pointwise(x.to(gemm_dtype).contiguous(), packed, None, "none", [], "")
+    y = y.float()   # bf16-rounded sums of fp32 accumulation; the bias is added in fp32
+    return y if bias is None else y.add_(bias)

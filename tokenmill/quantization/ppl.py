@@ -19,12 +19,13 @@ import torch
 
 def _llm(model: str, quantization: Optional[str], context_len: int, num_threads, cache_dir,
          kv_cache_dtype: str = "auto", chunk_size: Optional[int] = None,
-         quant_activations: str = "fp32"):
+         quant_activations: str = "fp32", cpu_gemm_dtype: str = "float32"):
     from tokenmill import LLM
     return LLM(model=model, quantization=quantization, num_threads=num_threads,
                cache_dir=cache_dir, enable_prefix_caching=False, max_model_len=context_len + 8,
                max_num_batched_tokens=chunk_size or context_len + 8, max_num_seqs=1,
-               kv_cache_dtype=kv_cache_dtype, quant_activations=quant_activations)
+               kv_cache_dtype=kv_cache_dtype, quant_activations=quant_activations,
+               cpu_gemm_dtype=cpu_gemm_dtype)
 
 
 class _LogitTap:
@@ -64,13 +65,15 @@ def _score(llm, ids: list[int], tap: Optional[_LogitTap]):
 def evaluate(model: str, quantization: Optional[str] = None, max_tokens: int = 4096,
              context_len: int = 512, kl_base: Optional[str] = None, num_threads=None,
              cache_dir: Optional[str] = None, kv_cache_dtype: str = "auto",
-             chunk_size: Optional[int] = None, quant_activations: str = "fp32") -> dict:
+             chunk_size: Optional[int] = None, quant_activations: str = "fp32",
+             cpu_gemm_dtype: str = "float32") -> dict:
     """``chunk_size``: prefill tokens per step (None = a whole window in one step);
-    ``quant_activations``: "q8" scores the int8-activation path of packed linears."""
+    ``quant_activations``: "q8" scores the int8-activation path of packed linears;
+    ``cpu_gemm_dtype``: "bfloat16" scores the bf16 GEMMs of many-row matmuls."""
     from tokenmill.quantization.calibration import text_token_windows
     t0 = time.time()
     llm = _llm(model, quantization, context_len, num_threads, cache_dir, kv_cache_dtype, chunk_size,
-               quant_activations)
+               quant_activations, cpu_gemm_dtype)
     num_windows = math.ceil(max_tokens / (context_len - 1))
     windows = text_token_windows(llm.get_tokenizer(), "evaluation", num_windows, context_len, cache_dir)
     base = None
@@ -96,7 +99,7 @@ def evaluate(model: str, quantization: Optional[str] = None, max_tokens: int = 4
     result = {"model": model, "quantization": getattr(llm.engine.model, "quantization_method", quantization or "none"),
               "perplexity": round(math.exp(nll / count), 4), "num_tokens": count,
               "context_len": context_len, "weight_bytes": llm.engine.weight_bytes,
-              "quant_activations": quant_activations,
+              "quant_activations": quant_activations, "cpu_gemm_dtype": cpu_gemm_dtype,
               "kv_cache_dtype": kv_cache_dtype, "chunk_size": chunk_size or context_len + 8,
               "kv_bytes_per_token": llm.engine.kv_bytes_per_token,
               "kv_capacity_tokens": llm.get_memory_stats()["kv_capacity_tokens"],

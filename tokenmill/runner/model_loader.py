@@ -24,6 +24,7 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
                 max_model_len: int, quantization: Optional[str] = None,
                 quant_activations: str = "fp32",
                 cpu_weight_prepack: bool = False, cpu_kernels: bool = True,
+                cpu_gemm_dtype: torch.dtype = torch.float32,
                 tp: TPGroup = SINGLE, expert_parallel: bool = False,
                 triton_kernels: bool = False) -> torch.nn.Module:
     """``quantization``: None / "int8" / "int4[-gN]" / "fp8" / "gguf"; a quantized
@@ -33,6 +34,7 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     ``cpu_weight_prepack``: float32 CPU linears get a oneDNN copy of their weight
     (layers/prepacked.py), and packed int8 / int4 linears with q8 activations a tiled copy
     for the tiled q8 GEMM (layers/quant/qgemm.py); ``model.prepacked_bytes`` says what it added.
+    ``cpu_gemm_dtype``: the oneDNN copy's dtype (float32, or bfloat16 on AVX-512 BF16 CPUs).
     ``tp``: this rank's tensor-parallel group; each parameter loads only its piece (safetensors
     are read lazily, slice by slice). ``expert_parallel``: an MoE model's experts are split
     whole over the ranks of ``tp``. ``triton_kernels``: norms, RoPE and gated activations
@@ -55,7 +57,7 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     set_quant_activations(model, quant_activations)
     set_cpu_kernels(model, cpu_kernels and not triton_kernels)
     set_triton_kernels(model, triton_kernels)
-    model.prepacked_bytes = prepack_linears(model) + tile_packed_linears(model) \
+    model.prepacked_bytes = prepack_linears(model, cpu_gemm_dtype) + tile_packed_linears(model) \
         if cpu_weight_prepack and not triton_kernels else 0
     model.quantization_method = spec.method   # what runs (a checkpoint's own scheme too)
     model.eval()

@@ -43,6 +43,7 @@ class RankSpec:
     enforce_eager: bool = False   # no CUDA graphs
     max_num_seqs: int = 64        # the largest decode batch a CUDA graph is captured for
     load_format: str = "auto"     # "dummy": random weights
+    cpu_gemm_dtype: str = "float32"   # ModelConfig.cpu_gemm_dtype
     rank: int = 0
     world_size: int = 1
     master_addr: str = "127.0.0.1"
@@ -112,6 +113,7 @@ class RankWorker:
                                  s.max_model_len, quantization=s.quantization,
                                  quant_activations=s.quant_activations,
                                  cpu_weight_prepack=s.cpu_weight_prepack,
+                                 cpu_gemm_dtype=_dtype(s.cpu_gemm_dtype),
                                  cpu_kernels=s.cpu_kernels, tp=self.tp,
                                  expert_parallel=s.expert_parallel,
                                  triton_kernels=resolve_backend_name(
