@@ -65,6 +65,7 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     # modules and weights (a float table a packed head took over) wait for the cycle
     # collector: run it now, before the KV cache is allocated and serving starts.
     gc.collect()
+    checkpoint.release_pages()   # a GGUF's mapped pages were all touched; the weights are copies
     return model
 
 

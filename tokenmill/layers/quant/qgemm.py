@@ -61,6 +61,11 @@ def _by_tile(a: torch.Tensor, n: int) -> torch.Tensor:
     return padded.view(tiles, TILE, a.shape[1]).transpose(1, 2).contiguous()
 
 
+TILE_ROWS_PER_PASS = 4096   # rows re-laid out at a time: bounds the temporaries (int16 values,
+#                             padded and permuted copies) to a few MB instead of several times
+#                             a large weight (Gemma3's 262k-row tied head: 168 MB of int8)
+
+
 def tile(p: Packed) -> Tiled:
     """The tiled copy of a packed int8 / int4 weight (stored column order, like the kernels)."""
     if not applies(p):
@@ -69,17 +74,25 @@ def tile(p: Packed) -> Tiled:
     n, k, g = p.out_features, p.in_features, p.group_size
     nb = k // 32
     kind = kernels.kind_code(kernels.KIND_I4 if p.kind == "i4" else kernels.KIND_I8, p.scales)
+    qw = torch.empty(-(-n // TILE), nb, 256 if p.kind == "i4" else 512, dtype=torch.uint8)
+    for r0 in range(0, n, TILE_ROWS_PER_PASS):
+        r1 = min(n, r0 + TILE_ROWS_PER_PASS)
+        qw[r0 // TILE:-(-r1 // TILE)] = _tiled_values(p, p.qweight[r0:r1], r1 - r0, nb)
+    mn = _by_tile(p.mins.to(p.scales.dtype), n) if p.mins is not None else None   # i4, Q5_1 / Q5_K
+    return Tiled(kind, qw, _by_tile(p.scales, n), mn, g, n, k)
+
+
+def _tiled_values(p: Packed, rows: torch.Tensor, n: int, nb: int) -> torch.Tensor:
+    """Stored rows [n, K/2 or K] of a packed weight -> their tiles [tiles, K/32, 256 | 512]."""
     if p.kind == "i4":
-        q = unpack_int4(p.qweight).view(n, nb * 32)
+        q = unpack_int4(rows).view(n, nb * 32)
         steps = _by_tile(q, n).view(-1, nb, 8, 4, TILE).transpose(2, 3)  # [t, b, 4 bytes, 8 steps, 16]
         # byte (p, j, i): value 4 * 2p + i in the low nibble, value 4 * (2p + 1) + i in the high one
         steps = steps.reshape(-1, nb, 4, 4, 2, TILE).permute(0, 1, 3, 5, 2, 4)   # [t, b, p, j, i, lo/hi]
-        qw = (steps[..., 0] | (steps[..., 1] << 4)).reshape(-1, nb, 256).contiguous()
-        return Tiled(kind, qw, _by_tile(p.scales, n), _by_tile(p.mins.to(p.scales.dtype), n), g, n, k)
-    q = (p.qweight.view(torch.int8).view(n, nb * 32).to(torch.int16) + 128).to(torch.uint8)
+        return (steps[..., 0] | (steps[..., 1] << 4)).reshape(-1, nb, 256)
+    q = (rows.view(torch.int8).view(n, nb * 32).to(torch.int16) + 128).to(torch.uint8)
     steps = _by_tile(q, n).view(-1, nb, 8, 4, TILE).permute(0, 1, 2, 4, 3)   # [t, b, s, j, i]
-    mn = _by_tile(p.mins.to(p.scales.dtype), n) if p.mins is not None else None   # Q5_1 / Q5_K
-    return Tiled(kind, steps.reshape(-1, nb, 512).contiguous(), _by_tile(p.scales, n), mn, g, n, k)
+    return steps.reshape(-1, nb, 512)
 
 
 def qgemm_q8(x: torch.Tensor, t: Tiled) -> torch.Tensor:

@@ -38,6 +38,9 @@ class Checkpoint:
         """Bytes of the tensors as stored on disk (quantized size for GGUF)."""
         raise NotImplementedError
 
+    def release_pages(self) -> None:
+        """After loading: give back memory-mapped file pages still counted as resident."""
+
 
 @dataclass
 class HFCheckpoint(Checkpoint):
@@ -66,6 +69,9 @@ class GGUFCheckpoint(Checkpoint):
 
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in self.gguf.tensors.values())
+
+    def release_pages(self) -> None:
+        self.gguf.release_pages()   # the whole file was read through its mapping
 
 
 def _is_gguf(path: str) -> bool:

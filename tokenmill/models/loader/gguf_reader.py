@@ -8,6 +8,7 @@ malformed or hostile file fails fast with a CheckpointError instead of a huge al
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -98,6 +99,13 @@ class GGUFFile:
         infos = [_read_tensor_info(cur) for _ in range(num_tensors)]
         self.data_offset = -(-cur.pos // self.alignment) * self.alignment
         self.tensors: dict[str, TensorInfo] = _place_tensors(infos, self.data_offset, self.alignment, size, path)
+
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's resident set (after loading: every
+        weight has been copied out, and a later read faults pages back in from the file)."""
+        mapping = getattr(self._buf, "_mmap", None)
+        if mapping is not None and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            mapping.madvise(mmap.MADV_DONTNEED)
 
     def raw(self, name: str) -> np.ndarray:
         """The tensor's stored bytes: a read-only uint8 view into the memmap."""
