@@ -101,3 +101,47 @@ def test_compare_runs_transformers_peer_and_reports_missing_ones(tiny_llama_dir,
     assert "tokenmill gguf" not in rows                     # not a GGUF model: fp32 only
     for ext in ("json", "md", "png"):
         assert (tmp_path / "report" / f"compare.{ext}").stat().st_size > 0
+
+
+def test_contexts_run_each_row_once_more_at_each_length(tiny_llama_dir, tmp_path):
+    """--contexts: prefill and decode at each context, from a process of its own per row,
+    with tokenmill's floor and the transformers row compared against tokenmill fp32."""
+    out = tmp_path / "compare.json"
+    rc = main(["bench", "compare", "--model", tiny_llama_dir, "--dataset", "random",
+               "--peers", "transformers", "--num-prompts", "2", "--output-len", "4",
+               "--max-input-len", "8", "--prefill-len", "12", "--repeats", "1",
+               "--contexts", "40,24", "--context-output-len", "5", "--kv-cache-dtype", "fp16",
+               "--num-threads", "1", "--no-progress", "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    lines = {(line["name"], line["context"]): line for line in result["contexts"]}
+    assert set(lines) == {(n, c) for n in ("tokenmill fp32", "transformers fp32") for c in (24, 40)}
+    for line in lines.values():
+        assert line["status"] == "ok" and line["decode_tok_s"] > 0 and line["prefill_tok_s"] > 0
+        assert line["peak_rss_mb"] > 0
+    assert lines[("tokenmill fp32", 40)]["decode_x_floor"] > 0
+    assert lines[("transformers fp32", 24)]["tokenmill_vs"]["against"] == "tokenmill fp32"
+    tm = next(r for r in result["rows"] if r["name"] == "tokenmill fp32")
+    assert tm["kv_cache_dtype"] == "fp16" and tm["kv_bytes_per_token"] > 0
+    assert any("ctx 40, multiple of its floor" in g["goal"] for g in result["goals"])
+
+
+def test_context_goals_pair_llamacpp_with_its_tokenmill_row():
+    from tokenmill.bench import compare_contexts
+    rows = [{"name": "tokenmill gguf-q8", "engine": "tokenmill", "precision": "gguf-q8",
+             "weight_bytes": 10**8, "kv_bytes_per_token": 10**4},
+            {"name": "llama.cpp gguf", "engine": "llama.cpp", "precision": "gguf"}]
+    runs = {"tokenmill gguf-q8": {"status": "ok", "peak_rss_bytes": 2**20,
+                                  "contexts": {"512": {"prefill_tok_s": 900.0, "decode_tok_s": 150.0}}},
+            "llama.cpp gguf": {"status": "ok", "peak_rss_bytes": 2**20,
+                               "contexts": {"512": {"prefill_tok_s": 300.0, "decode_tok_s": 100.0}}}}
+    lines = compare_contexts.attach(rows, runs, 40.0, {"gguf": ("gguf-q8", "gguf")}, 64)
+    lc = next(line for line in lines if line["name"] == "llama.cpp gguf")
+    assert lc["tokenmill_vs"] == {"against": "tokenmill gguf-q8", "decode": 1.5, "prefill": 3.0}
+    floor = 40e9 / (10**8 + 10**4 * (512 + 32))
+    tm = next(line for line in lines if line["name"] == "tokenmill gguf-q8")
+    assert tm["decode_x_floor"] == round(floor / 150.0, 2)
+    met = {g["goal"]: g["met"] for g in compare_contexts.goals(lines)}
+    assert met["tokenmill gguf-q8 decode at ctx 512 vs llama.cpp gguf"] is True
+    with pytest.raises(ValueError):
+        compare_contexts.parse("512,-1")

