@@ -2,7 +2,6 @@
 config, dequantization, tokenizer and greedy output against HF transformers' float32
 outputs stored in tests/data/gemma3_reference.json (see gemma3_reference.py)."""
 import json
-import os
 
 import numpy as np
 import pytest
@@ -77,8 +76,14 @@ def test_tokenizer_matches_transformers(gguf_path, reference):
 
 @pytest.mark.slow
 def test_greedy_matches_transformers(gguf_path, reference):
-    from tokenmill import LLM, SamplingParams
-    llm = LLM(model=gguf_path, skip_tokenizer_init=True, max_model_len=512)
+    from tokenmill import LLM
+    _assert_greedy_matches(LLM(model=gguf_path, skip_tokenizer_init=True, max_model_len=512),
+                           reference, atol=1e-3)
+
+
+def _assert_greedy_matches(llm, reference, atol: float) -> None:
+    """HF's greedy tokens for every reference prompt, their logprobs within ``atol``."""
+    from tokenmill import SamplingParams
     entries = reference["entries"]
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": e["prompt_token_ids"]} for e in entries], params, use_tqdm=False)
@@ -86,14 +91,14 @@ def test_greedy_matches_transformers(gguf_path, reference):
         tokens = out.outputs[0].token_ids
         assert tokens == entry["token_ids"], entry["prompt"]
         ours = [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs)]
-        np.testing.assert_allclose(ours, entry["logprobs"], atol=1e-3)
+        np.testing.assert_allclose(ours, entry["logprobs"], atol=atol)
 
 
 @pytest.mark.slow
 def test_packed_k_quants_give_the_same_greedy_output(gguf_path, reference):
     """quantization="gguf" keeps Q5_0 / Q4_K / Q8_0 blocks packed (Q6_K stays float): with
     float activations the same function up to summation order, so HF's greedy tokens."""
-    from tokenmill import LLM, SamplingParams
+    from tokenmill import LLM
     llm = LLM(model=gguf_path, skip_tokenizer_init=True, max_model_len=512, quantization="gguf")
     model = llm.engine.model
     packed = {type(m.quant_method).__name__ for m in model.modules() if hasattr(m, "quant_method")}
@@ -106,11 +111,4 @@ def test_packed_k_quants_give_the_same_greedy_output(gguf_path, reference):
     assert isinstance(model.model.embed_tokens, PackedEmbedding)
     table = (model.args.vocab_size, model.args.hidden_size)
     assert not any(tuple(p.shape) == table and p.is_floating_point() for p in model.parameters())
-    entries = reference["entries"]
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
-    outs = llm.generate([{"prompt_token_ids": e["prompt_token_ids"]} for e in entries], params, use_tqdm=False)
-    for entry, out in zip(entries, outs):
-        tokens = out.outputs[0].token_ids
-        assert tokens == entry["token_ids"], entry["prompt"]
-        ours = [lp[t].logprob for t, lp in zip(tokens, out.outputs[0].logprobs)]
-        np.testing.assert_allclose(ours, entry["logprobs"], atol=2e-3)
+    _assert_greedy_matches(llm, reference, atol=2e-3)

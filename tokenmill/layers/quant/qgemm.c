@@ -36,6 +36,16 @@ INLINE __m512 qg_load16(const float *p, int64_t i, int kind) {   /* 16 scales or
                               : _mm512_loadu_ps(p + i);
 }
 
+/* int8 steps s0 .. s1 - 1 of one block into dot[m] (the stored q + 128 against x). */
+INLINE void qg_i8_steps(const uint8_t *wb, const int8_t *xb, int64_t K, const int mb, int s0,
+                        int s1, __m512i *dot) {
+    for (int s = s0; s < s1; s++) {
+        __m512i w = _mm512_loadu_si512(wb + 64 * s);
+        for (int m = 0; m < mb; m++)
+            dot[m] = _mm512_dpbusd_epi32(dot[m], w, _mm512_set1_epi32(*(const int32_t *)(xb + m * K + 4 * s)));
+    }
+}
+
 /* int8 weights with a scale per 16 values (GGUF Q6_K): steps 0-3 of a block hold values
  * 0..15 (group 2b), steps 4-7 values 16..31 (group 2b + 1): two dots per block, each
  * scaled by its group's 16 row scales. qsum: block sums of the int8 activations per 16. */
@@ -53,11 +63,7 @@ INLINE void qgemm_tile_g16(const int8_t *xq, const float *dx, const int32_t *qsu
             const __m512 s_vec = qg_load16(sc, (t * ngroups + g) * QG_TILE, kind);
             __m512i dot[QG_MT];
             for (int m = 0; m < mb; m++) dot[m] = _mm512_set1_epi32(-128 * qsum[m * ngroups + g]);
-            for (int s = 4 * half; s < 4 * half + 4; s++) {
-                __m512i w = _mm512_loadu_si512(wb + 64 * s);
-                for (int m = 0; m < mb; m++)
-                    dot[m] = _mm512_dpbusd_epi32(dot[m], w, _mm512_set1_epi32(*(const int32_t *)(xb + m * K + 4 * s)));
-            }
+            qg_i8_steps(wb, xb, K, mb, 4 * half, 4 * half + 4, dot);
             for (int m = 0; m < mb; m++)
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]),
                                          _mm512_mul_ps(s_vec, _mm512_set1_ps(dx[m * nb + b])), acc[m]);
@@ -98,12 +104,7 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
                     }
                 }
             } else {
-                const uint8_t *wb = qw + (t * nb + b) * 512;
-                for (int s = 0; s < 8; s++) {
-                    __m512i w = _mm512_loadu_si512(wb + 64 * s);
-                    for (int m = 0; m < mb; m++)
-                        dot[m] = _mm512_dpbusd_epi32(dot[m], w, _mm512_set1_epi32(*(const int32_t *)(xb + m * K + 4 * s)));
-                }
+                qg_i8_steps(qw + (t * nb + b) * 512, xb, K, mb, 0, 8, dot);
             }
             for (int m = 0; m < mb; m++)
                 acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]),
@@ -127,13 +128,38 @@ INLINE __m256 qg_load8(const float *p, int64_t i, int kind) {   /* 8 scales or m
                               : _mm256_loadu_ps(p + i);
 }
 
+/* int8 steps s0 .. s1 - 1 of one block into dot[m] (q = stored byte - 128), by the sign
+ * trick: |q| unsigned, x with q's sign. */
+INLINE void qg_i8_steps(const uint8_t *wb, const int8_t *xb, int64_t K, const int mb, int s0,
+                        int s1, __m256i *dot) {
+    const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
+    for (int s = s0; s < s1; s++) {
+        __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wb + 64 * s)), bias);
+        __m256i wu = _mm256_sign_epi8(w, w);
+        for (int m = 0; m < mb; m++) {
+            __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(*(const int32_t *)(xb + m * K + 4 * s)), w);
+            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), ones));
+        }
+    }
+}
+
+/* acc[m] -> y[m, n0 .. n0 + 7]; rows of the last tile past N are not stored. */
+INLINE void qg_store8(float *y, int64_t N, int64_t n0, const int mb, const __m256 *acc) {
+    const int64_t left = N - n0;
+    for (int m = 0; m < mb; m++) {
+        if (left >= 8) { _mm256_storeu_ps(y + m * N + n0, acc[m]); continue; }
+        float tmp[8];
+        _mm256_storeu_ps(tmp, acc[m]);
+        for (int64_t j = 0; j < left; j++) y[m * N + n0 + j] = tmp[j];
+    }
+}
+
 /* AVX2 twin of the VNNI qgemm_tile_g16 (same integer sums, same float operations). */
 INLINE void qgemm_tile_g16(const int8_t *xq, const float *dx, const int32_t *qsum, const int mb,
                            int64_t K, int kind, const uint8_t *qw, const float *sc, int64_t N,
                            int64_t t, float *y) {
     (void)qsum;
     const int64_t nb = K / 32, ngroups = K / 16;
-    const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
     for (int h = 0; h < 2; h++) {   /* rows 8h .. 8h + 7 of the tile */
         __m256 acc[QG_MT];
         for (int m = 0; m < mb; m++) acc[m] = _mm256_setzero_ps();
@@ -144,26 +170,13 @@ INLINE void qgemm_tile_g16(const int8_t *xq, const float *dx, const int32_t *qsu
                 const __m256 s_vec = qg_load8(sc, (t * ngroups + 2 * b + half) * QG_TILE + 8 * h, kind);
                 __m256i dot[QG_MT];
                 for (int m = 0; m < mb; m++) dot[m] = _mm256_setzero_si256();
-                for (int s = 4 * half; s < 4 * half + 4; s++) {   /* q = stored byte - 128 */
-                    __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wb + 64 * s)), bias);
-                    __m256i wu = _mm256_sign_epi8(w, w);
-                    for (int m = 0; m < mb; m++) {
-                        __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(*(const int32_t *)(xb + m * K + 4 * s)), w);
-                        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), ones));
-                    }
-                }
+                qg_i8_steps(wb, xb, K, mb, 4 * half, 4 * half + 4, dot);
                 for (int m = 0; m < mb; m++)
                     acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]),
                                              _mm256_mul_ps(s_vec, _mm256_set1_ps(dx[m * nb + b])), acc[m]);
             }
         }
-        const int64_t n0 = t * QG_TILE + 8 * h, left = N - n0;
-        for (int m = 0; m < mb; m++) {
-            if (left >= 8) { _mm256_storeu_ps(y + m * N + n0, acc[m]); continue; }
-            float tmp[8];
-            _mm256_storeu_ps(tmp, acc[m]);
-            for (int64_t j = 0; j < left; j++) y[m * N + n0 + j] = tmp[j];
-        }
+        qg_store8(y, N, t * QG_TILE + 8 * h, mb, acc);
     }
 }
 
@@ -178,7 +191,6 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
     const int64_t nb = K / 32, per_g = G / 32, ngroups = K / G;
     const int i4 = (kind & 7) == 1;
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    const __m256i bias = _mm256_set1_epi8((char)0x80);
     for (int h = 0; h < 2; h++) {   /* rows 8h .. 8h + 7 of the tile */
         __m256 acc[QG_MT];
         for (int m = 0; m < mb; m++) acc[m] = _mm256_setzero_ps();
@@ -203,15 +215,7 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
                         }
                     }
                 } else {
-                    const uint8_t *wb = qw + (t * nb + b) * 512 + 32 * h;
-                    for (int s = 0; s < 8; s++) {   /* q = stored byte - 128 */
-                        __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wb + 64 * s)), bias);
-                        __m256i wu = _mm256_sign_epi8(w, w);
-                        for (int m = 0; m < mb; m++) {
-                            __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(*(const int32_t *)(xb + m * K + 4 * s)), w);
-                            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), ones));
-                        }
-                    }
+                    qg_i8_steps(qw + (t * nb + b) * 512 + 32 * h, xb, K, mb, 0, 8, dot);
                 }
                 for (int m = 0; m < mb; m++)
                     acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]),
@@ -223,13 +227,7 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
                     acc[m] = _mm256_fmadd_ps(mn_vec, _mm256_set1_ps(xsum[m * ngroups + g]), acc[m]);
             }
         }
-        const int64_t n0 = t * QG_TILE + 8 * h, left = N - n0;
-        for (int m = 0; m < mb; m++) {
-            if (left >= 8) { _mm256_storeu_ps(y + m * N + n0, acc[m]); continue; }
-            float tmp[8];
-            _mm256_storeu_ps(tmp, acc[m]);
-            for (int64_t j = 0; j < left; j++) y[m * N + n0 + j] = tmp[j];
-        }
+        qg_store8(y, N, t * QG_TILE + 8 * h, mb, acc);
     }
 }
 #endif
