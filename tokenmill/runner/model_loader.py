@@ -1,7 +1,6 @@
 """Checkpoint -> ready model on a device."""
 from __future__ import annotations
 
-import gc
 from typing import Optional
 
 import torch
@@ -61,10 +60,6 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
         if cpu_weight_prepack and not triton_kernels else 0
     model.quantization_method = spec.method   # what runs (a checkpoint's own scheme too)
     model.eval()
-    # Parameters hold their module's bound weight_loader (a reference cycle), so replaced
-    # modules and weights (a float table a packed head took over) wait for the cycle
-    # collector: run it now, before the KV cache is allocated and serving starts.
-    gc.collect()
     checkpoint.release_pages()   # a GGUF's mapped pages were all touched; the weights are copies
     return model
 

@@ -69,6 +69,7 @@ def embed_from_packed_head(model: nn.Module) -> bool:
         return False
     if getattr(head, "weight", None) is embed.weight:
         del head.weight
+    _free_table(embed)
 
     def head_packed() -> Packed:
         if len(head.packed) != 1:
@@ -95,8 +96,15 @@ def share_packed_head_with_embedding(model: nn.Module) -> bool:
         return True
     if getattr(head, "weight", None) is embed.weight:   # head still holds the float tensor
         del head.weight
+    _free_table(embed)
     inner.embed_tokens = PackedEmbedding(parts[0])
     return True
+
+
+def _free_table(embed: nn.Module) -> None:
+    """Release a replaced embedding's float table now: its parameter holds the module's
+    bound weight_loader, a reference cycle that only the cycle collector would break."""
+    embed.weight.data = torch.empty(0, dtype=embed.weight.dtype)
 
 
 def _tied_packed_head(model: nn.Module):
