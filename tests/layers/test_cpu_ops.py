@@ -56,6 +56,67 @@ def test_silu_mul_matches_reference(t, i):
     torch.testing.assert_close(cpu_ops.silu_mul(x), SiluAndMul()(x), rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("t,h", [(1, 640), (3, 64), (17, 100), (5, 13)])
+def test_gemma_rms_norm_matches_reference(t, h):
+    """GemmaRMSNorm's (1 + w) weights, in float32 as the reference multiplies them."""
+    g = torch.Generator().manual_seed(t * h)
+    x, w = torch.randn(t, h, generator=g) * 3, torch.randn(h, generator=g)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-6, gemma=True),
+                               cpu_ops.rms_norm_reference(x, w, 1e-6, gemma=True), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("gemma,heads", [(False, 6), (True, 6), (True, 1)])
+def test_rms_norm_of_per_head_views(gemma, heads):
+    """q / k norms take [T, heads, D] views of a qkv row: each head is a row of its own,
+    the same bits as the contiguous rows. One head (Gemma3-270m's k): the view reshapes to
+    [T, D] without a copy, its rows a qkv row apart."""
+    from tokenmill.layers.norm import GemmaRMSNorm, RMSNorm
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(3, 10 * 32, generator=g)
+    q = qkv[:, 32: (1 + heads) * 32].view(3, heads, 32)
+    norm = (GemmaRMSNorm if gemma else RMSNorm)(32, 1e-6)
+    norm.weight.data = torch.randn(32, generator=g)
+    got = norm(q)
+    assert got.shape == q.shape
+    assert torch.equal(got, cpu_ops.rms_norm(q.contiguous().view(-1, 32), norm.weight, 1e-6,
+                                             gemma=gemma).view(3, heads, 32))
+    torch.testing.assert_close(got, cpu_ops.rms_norm_reference(q, norm.weight, 1e-6, gemma=gemma),
+                               rtol=2e-6, atol=2e-6)
+
+
+def test_gelu_tanh_mul_matches_torch():
+    """Against torch's gelu(approximate="tanh") (the reference) on a dense sweep of gates:
+    within 1e-6 relative, or 2e-7 absolute where torch loses digits in 1 + tanh (x < -1);
+    and as close to float64 as torch is (closer there)."""
+    gate = torch.linspace(-12, 12, 48001)
+    x = torch.cat([gate[None], torch.ones(1, gate.numel())], 1)
+    got = cpu_ops.gelu_tanh_mul(x)[0]
+    torch.testing.assert_close(got, cpu_ops.gelu_tanh_mul_reference(x)[0], rtol=1e-6, atol=2e-7)
+    g64 = gate.double()
+    exact = 0.5 * g64 * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (g64 + 0.044715 * g64 ** 3)))
+    upper = gate > -5   # below, the values underflow toward 0 in both
+    assert ((got.double() - exact).abs() / exact.abs())[upper].max() < 3e-6
+    assert (got.double() - exact).abs().max() < 6e-7   # half an ulp of 12 is 4.8e-7
+
+
+@pytest.mark.parametrize("t,i", [(1, 2048), (4, 13), (20, 64)])
+def test_gelu_tanh_mul_module_takes_the_kernel(t, i, monkeypatch):
+    """GeluTanhAndMul calls the kernel (any width: the tail goes through the same vector
+    code), and without cpu kernels computes torch's reference."""
+    from tokenmill.layers.activation import GeluTanhAndMul
+    x = torch.randn(t, 2 * i, generator=torch.Generator().manual_seed(i)) * 3
+    lib, calls = native.require(), []
+    real = lib.tm_gelu_tanh_mul
+    monkeypatch.setattr(lib, "tm_gelu_tanh_mul", lambda *a: (calls.append(1), real(*a))[1])
+    act = GeluTanhAndMul()
+    got = act(x)
+    assert calls and torch.equal(got, cpu_ops.gelu_tanh_mul(x))
+    up_max = x[:, i:].abs().max().item()   # the sweep's bounds, scaled by the up factors
+    torch.testing.assert_close(got, cpu_ops.gelu_tanh_mul_reference(x), rtol=1e-6, atol=2e-7 * up_max)
+    act.cpu_kernels = False
+    assert torch.equal(act(x), cpu_ops.gelu_tanh_mul_reference(x)) and len(calls) == 2
+
+
 def test_exp_extremes_through_silu():
     x = torch.tensor([[-1e30, -90.0, -87.0, 0.0, 30.0, 88.0, 1e30, 5.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
     got = cpu_ops.silu_mul(x)

@@ -25,12 +25,16 @@ class SiluAndMul(nn.Module):
 class GeluTanhAndMul(nn.Module):
     """gelu_tanh(gate) * up (Gemma's ``gelu_pytorch_tanh``)."""
 
+    cpu_kernels = True   # the fused C kernel where it applies (cpu_ops.set_cpu_kernels)
     triton_kernels = False   # the Triton kernel (CUDA backend; kernel_choice.set_triton_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, 2*inter] -> [T, inter]
         if self.triton_kernels:
             from tokenmill.layers import triton_ops
             return triton_ops.gelu_tanh_mul(x)
+        fused = cpu_ops.gelu_tanh_mul(x) if self.cpu_kernels else None
+        if fused is not None:
+            return fused
         gate, up = x.chunk(2, dim=-1)
         return torch.nn.functional.gelu(gate, approximate="tanh") * up
 

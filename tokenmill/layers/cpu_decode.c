@@ -108,7 +108,7 @@ int tm_llama_decode(float *x, int64_t T, int64_t H, int64_t L,
         void *kc = (void *)k_caches[l], *vc = (void *)v_caches[l];
         float *ks = k_scales ? (float *)k_scales[l] : NULL, *vs = v_scales ? (float *)v_scales[l] : NULL;
         const int64_t *lin = linears + l * 4 * per_linear;
-        tm_rms_norm(x, NULL, (const float *)ln1[l], eps, T, H, h, nthreads);
+        tm_rms_norm(x, NULL, (const float *)ln1[l], eps, 0, T, H, h, nthreads);
         if (dec_linear(lin, h, T, H, nqkv, qkv, tmp, xp, q8, nthreads)) return 2;
         tm_rope(qkv, qkv + Hq * D, T, Hq, Hkv, D, nqkv, nqkv, cos, sin, pos);
         for (int64_t t = 0; t < T; t++) {
@@ -125,7 +125,7 @@ int tm_llama_decode(float *x, int64_t T, int64_t H, int64_t L,
                                bt_stride, B, q_start, q_len, seq_len, scale, 0, att, nthreads))
             return 1;
         if (dec_linear(lin + per_linear, att, T, Hq * D, H, h, tmp, xp, q8, nthreads)) return 2;
-        tm_rms_norm(h, x, (const float *)ln2[l], eps, T, H, h2, nthreads);   /* x += h */
+        tm_rms_norm(h, x, (const float *)ln2[l], eps, 0, T, H, h2, nthreads);   /* x += h */
         if (ffn_in) {
             memcpy(ffn_in, h2, sizeof(float) * (size_t)(T * H));
             continue;

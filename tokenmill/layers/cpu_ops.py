@@ -102,26 +102,35 @@ def linear_by_row_slices(x: torch.Tensor, n: int, rows) -> torch.Tensor:
 
 # -- RMSNorm ------------------------------------------------------------------------------
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """x [T, H] -> norm(x) * weight. With ``residual`` [T, H]: residual += x in place and
-    the result is norm(residual) * weight (the fused add + norm of a decoder layer)."""
-    if not (available() and x.dim() == 2 and _ok(x, weight) and x.is_contiguous()
-            and weight.is_contiguous()):
+             residual: Optional[torch.Tensor] = None, gemma: bool = False) -> Optional[torch.Tensor]:
+    """x [..., H] -> norm(x) * weight (``gemma``: * (1 + weight), GemmaRMSNorm's stored
+    ``w - 1``), each row on its own: per-head q / k norms pass [T, heads, D] views, copied
+    to rows here. With ``residual`` (x [T, H] contiguous, residual the same shape):
+    residual += x in place and the result is norm(residual) * weight (the fused add + norm
+    of a decoder layer)."""
+    if not (available() and x.dim() >= 1 and _ok(x, weight) and weight.is_contiguous()
+            and weight.dim() == 1 and weight.shape[0] == x.shape[-1]):
         return None
-    if residual is not None and not (_ok(residual) and residual.is_contiguous()
+    if residual is not None and not (_ok(residual) and residual.is_contiguous() and x.is_contiguous()
                                      and residual.shape == x.shape):
         return None
-    t, h = x.shape
-    out = torch.empty_like(x)
-    native.library().tm_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
-                     weight.data_ptr(), eps, t, h, out.data_ptr(), torch.get_num_threads())
+    h = x.shape[-1]
+    # rows of h contiguous floats: a strided view is copied (a [T, 1, D] view reshapes to
+    # [T, D] without a copy, its rows still a qkv row apart)
+    rows = x.reshape(-1, h).contiguous() if residual is None else x
+    out = torch.empty(x.shape, dtype=torch.float32)
+    native.library().tm_rms_norm(rows.data_ptr(), residual.data_ptr() if residual is not None else None,
+                                 weight.data_ptr(), eps, int(gemma), rows.numel() // max(h, 1), h,
+                                 out.data_ptr(), torch.get_num_threads())
     return out
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
     x32 = x.float()
-    var = x32.pow(2).mean(-1, keepdim=True)
-    return (weight * (x32 * torch.rsqrt(var + eps))).to(x.dtype)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:   # GemmaRMSNorm: multiplied in float32, then cast
+        return (normed * (1.0 + weight.float())).to(x.dtype)
+    return (weight * normed).to(x.dtype)
 
 
 # -- rotary -------------------------------------------------------------------------------
@@ -152,6 +161,22 @@ def silu_mul(x: torch.Tensor) -> Optional[torch.Tensor]:
     out = torch.empty(t, two_i // 2, dtype=torch.float32)
     native.library().tm_silu_mul(x.data_ptr(), t, two_i // 2, out.data_ptr(), torch.get_num_threads())
     return out
+
+
+# -- gelu_tanh(gate) * up ------------------------------------------------------------------
+def gelu_tanh_mul(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """x [T, 2I] (gate | up) -> gelu(gate, approximate="tanh") * up [T, I] (Gemma's MLP)."""
+    if not (available() and x.dim() == 2 and _ok(x) and x.is_contiguous() and x.shape[1] % 2 == 0):
+        return None
+    t, two_i = x.shape
+    out = torch.empty(t, two_i // 2, dtype=torch.float32)
+    native.library().tm_gelu_tanh_mul(x.data_ptr(), t, two_i // 2, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def gelu_tanh_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 # -- paged attention of short query runs --------------------------------------------------

@@ -270,9 +270,10 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     qgemm.c, cpu_decode.c, cpu_sync.c)."""
     p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     signatures = {
-        "tm_rms_norm": ([p, p, p, f32, i64, i64, p, i32], None),
+        "tm_rms_norm": ([p, p, p, f32, i32, i64, i64, p, i32], None),
         "tm_rope": ([p, p, i64, i64, i64, i64, i64, i64, p, p, p], None),
         "tm_silu_mul": ([p, i64, i64, p, i32], None),
+        "tm_gelu_tanh_mul": ([p, i64, i64, p, i32], None),
         "tm_linear_small_m": ([p, i64, i64, p, i64, p, p, i32], None),
         "tm_paged_attention": ([p, i64, i64, i64, p, p, p, p, i32, i64, i64, p, i64, i64, p,
                                 p, p, f32, i64, p, i32], i32),

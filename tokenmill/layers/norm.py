@@ -21,9 +21,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [..., hidden]
         if self.triton_kernels:
             return self._triton(x)
-        fused = cpu_ops.rms_norm(x, self.weight, self.eps) if self._fused() else None
+        fused = cpu_ops.rms_norm(x, self.weight, self.eps, gemma=self.gemma) if self._fused() else None
         if fused is not None:
             return fused
+        return self._reference(x)
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         var = x32.pow(2).mean(-1, keepdim=True)
         return (self.weight * (x32 * torch.rsqrt(var + self.eps))).to(x.dtype)
@@ -38,7 +41,8 @@ class RMSNorm(nn.Module):
         return out.view(x.shape), total.view(x.shape)
 
     def _fused(self) -> bool:
-        return self.cpu_kernels and type(self) is RMSNorm   # subclasses compute differently
+        # the kernel computes these two (``gemma``); other subclasses compute differently
+        return self.cpu_kernels and type(self) in (RMSNorm, GemmaRMSNorm)
 
     def add_and_norm(self, update: torch.Tensor, residual: torch.Tensor) -> tuple:
         """(norm(residual + update), residual + update). ``update`` is a fresh tensor the
@@ -47,7 +51,7 @@ class RMSNorm(nn.Module):
             return self._triton(update, residual)
         fused: Optional[torch.Tensor] = None
         if self._fused():
-            fused = cpu_ops.rms_norm(residual, self.weight, self.eps, residual=update)
+            fused = cpu_ops.rms_norm(residual, self.weight, self.eps, residual=update, gemma=self.gemma)
         if fused is not None:
             return fused, update
         total = residual + update
@@ -64,9 +68,7 @@ class GemmaRMSNorm(RMSNorm):
         super().__init__(hidden_size, eps)
         self.weight.data.zero_()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [..., hidden]
-        if self.triton_kernels:
-            return self._triton(x)
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
