@@ -164,7 +164,7 @@ def test_the_fused_decode_stack_never_runs_split_layers(tied_llama_dir):
     from tokenmill.models.llama import LlamaForCausalLM
     from tokenmill.runner import fused_stack
     cfg = open_checkpoint(tied_llama_dir).hf_config
-    assert fused_stack._plain_llama_stack(LlamaForCausalLM(cfg))
+    assert fused_stack.stack_kind(LlamaForCausalLM(cfg))
     split = LlamaForCausalLM(cfg, TPGroup(rank=0, size=2, group=object()))
     assert fused_stack.stack_plan(split) is None
     assert not fused_stack.may_apply(split, 1, None, None)

@@ -138,7 +138,7 @@ def test_fused_stack_steps_aside(model_dir):
 def test_stacks_the_c_path_cannot_reproduce_are_not_planned(tmp_path, tiny_llama_dir):
     from tests.conftest import save_tiny_llama
     from tokenmill.layers.quant.methods import set_quant_activations
-    save_tiny_llama(tmp_path, attention_bias=True)
+    save_tiny_llama(tmp_path, hidden_act="gelu")   # exact GELU: no C kernel computes it
     assert llama_fused.stack_plan(LLM(model=str(tmp_path), skip_tokenizer_init=True).engine.model) is None
     model = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, quantization="int8").engine.model
     planned = llama_fused.stack_plan(model)

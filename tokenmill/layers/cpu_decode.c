@@ -1,139 +1,174 @@
-/* A whole Llama-style decoder stack for decode-sized batches (up to cpu_ops.LINEAR_MAX_ROWS
- * tokens) in one call. In eager mode each layer costs ~10 Python module calls and ~10 kernel calls,
- * several milliseconds per step in all; here the same kernels run back to back in C, in
- * the same order on the same buffers, so the result is bit-identical to the module path
- * with the fused kernels on (tests/models/test_llama_fused.py compares them).
+/* A whole dense decoder stack (Llama, Mistral, Qwen2 / Qwen3, Gemma 3; the attention half of
+ * MoE layers) for decode-sized batches (up to cpu_ops.LINEAR_MAX_ROWS tokens) in one call.
+ * In eager mode each layer costs ~10 Python module calls and ~10 kernel calls, several
+ * milliseconds per step in all; here the same kernels run back to back in C, in the same
+ * order on the same buffers, so the result is bit-identical to the module path with the
+ * fused kernels on (tests/models/test_llama_fused.py, test_fused_architectures.py).
  *
  * Per layer l (x [T, H] is the residual stream, updated in place):
- *   h = rmsnorm(x) ; qkv = h Wqkv^T ; rope(q, k) ; cache[slots] = k, v
- *   att = paged_attention(q, cache) ; x += att Wo^T ; h2 = rmsnorm(x)
- *   x += (silu(h2 Wgate^T) * (h2 Wup^T)) Wdown^T
- * Norm weights and caches are arrays of L addresses. Each linear is described by
- * DEC_PARTS parts of DEC_FIELDS int64 each ({kind, weight, scale, mins, group, n, perm,
- * tiled qw, tiled sc, tiled mn}; kind -1 = float32 weight [n, K], 0/1/2 =
- * int8/int4/fp8 packed for tm_qmm (| KIND_HALF: float16 scales), -2 = no part;
- * perm: 0 or an int64 [K] input-column order, GPTQ act-order; tiled: 0 or the part's copy
- * for tm_qgemm_q8, which q8 steps take, as matmul.py does): the parts' outputs are
- * concatenated, as the Python linear methods do. linears holds L x 4 (qkv, o, gate_up,
- * down) such descriptors. kv_dt: the caches' value type (KV_F32 / KV_F16 / KV_BF16, rows
- * rounded on write like torch's .to(), or KV_I8); k_scales / v_scales: NULL for float
- * caches, else L addresses of the per-slot scales of int8 caches (K/V quantized on write
- * like kv_quant.quantize_kv).
- * scratch holds T * (2H + Q + Hq D + 3I + max(Q, 2I, H) + max(H, Hq D, I)) floats,
- * Q = (Hq + 2Hkv) D. q8: int8 / int4 linears take int8-rounded activations (tm_qmm_q8).
- * ffn_in: NULL, or [T, H] floats that receive rmsnorm(x) after attention instead of running
- * the FFN (MoE layers: the caller runs its experts on it and adds them to x).
- * Returns 1 if attention, 2 if the q8 kernel, could not allocate its buffer. */
-#include <float.h>
+ *   h = norm_in(x) ; qkv = h Wqkv^T (+ b) ; [q, k = per-head norms] ; rope(q, k)
+ *   cache[slots] = k, v ; att = paged_attention(q, cache, window) ; o = att Wo^T (+ b)
+ *   plain:    x += o ; h2 = norm_post_attn(x)
+ *   sandwich: x += norm_post_attn(o) ; h2 = norm_pre_ffn(x)              (Gemma 3)
+ *   f = (act(h2 Wgate^T) * (h2 Wup^T)) Wdown^T ; x += f, or x += norm_post_ffn(f)
+ * What a layer has is its row of int64 fields (LD_*, built by runner/fused_plan.py): the
+ * architectures differ in data, not in code paths of their own. */
 
-#define DEC_PARTS 4
-#define DEC_TINY FLT_MIN   /* kv_quant._TINY: scale floor of an all-zero row */
-#define DEC_FIELDS 10
+/* One layer's descriptor: addresses (0 = the layer has none) and small codes. */
+enum {
+    LD_LINEARS,        /* 4 linear descriptors (qkv, o, gate_up, down; cpu_decode_linear.c) */
+    LD_NORM_IN, LD_NORM_POST_ATTN,   /* float [H] weights */
+    LD_NORM_PRE_FFN, LD_NORM_POST_FFN,   /* the sandwich norms, or 0 */
+    LD_Q_NORM, LD_K_NORM,   /* float [D] per-head weights, or 0 */
+    LD_BIAS_QKV, LD_BIAS_O, LD_BIAS_GATE_UP, LD_BIAS_DOWN,   /* float biases, or 0 */
+    LD_GEMMA,          /* 1: every norm of the layer is x / rms(x) * (1 + w) */
+    LD_ACT,            /* 0: silu, 1: gelu_tanh */
+    LD_WINDOW,         /* sliding window in tokens, 0: full attention */
+    LD_COS, LD_SIN,    /* the layer's RoPE tables [P, D] */
+    LD_EPS, LD_SCALE,  /* norm eps and attention scale: float32 bit patterns */
+    LD_FIELDS
+};
+#define DEC_ACT_GELU_TANH 1
 
-/* y[T, ntot] = x[T, K] W^T over the parts of one linear; tmp: T * ntot floats, xp: T * K.
- * q8: int8 / int4 parts take int8-rounded activations (tm_qmm_q8), as matmul.py's q8 mode
- * does. Returns nonzero when the q8 kernel could not allocate its buffer. */
-static int dec_linear(const int64_t *desc, const float *x, int64_t T, int64_t K, int64_t ntot,
-                      float *y, float *tmp, float *xp, int q8, int nthreads) {
-    int64_t off = 0;
-    const int single = desc[DEC_FIELDS] == -2;
-    for (int p = 0; p < DEC_PARTS && desc[p * DEC_FIELDS] != -2; p++) {
-        const int64_t *d = desc + p * DEC_FIELDS, kind = d[0], n = d[5];
-        const int64_t *perm = (const int64_t *)d[6];
-        const float *in = x;
-        float *dst = single ? y : tmp;
-        if (perm) {   /* stored column order: x[:, perm] */
-            for (int64_t t = 0; t < T; t++)
-                for (int64_t k = 0; k < K; k++) xp[t * K + k] = x[t * K + perm[k]];
-            in = xp;
-        }
-        if (kind == -1)
-            tm_linear_small_m(in, T, K, (const float *)d[1], n, NULL, dst, nthreads);
-        else if (q8 && d[7]) {   /* i8 / i4 with a tiled copy (scales of the part's dtype) */
-            if (tm_qgemm_q8(in, T, K, (int)kind, (const uint8_t *)d[7], (const float *)d[8],
-                            (const float *)d[9], d[4], n, dst, nthreads))
-                return 1;
-        }
-        else if (q8 && ((kind & 7) == 0 || (kind & 7) == 1)) {   /* i8 / i4, maybe | KIND_HALF */
-            if (tm_qmm_q8(in, T, K, (const uint8_t *)d[1], (const float *)d[2],
-                          (const float *)d[3], d[4], n, (int)kind, dst, nthreads))
-                return 1;
-        } else
-            tm_qmm(in, T, K, (const uint8_t *)d[1], (const float *)d[2], (const float *)d[3],
-                   d[4], n, (int)kind, dst, nthreads);
-        if (!single)
-            for (int64_t t = 0; t < T; t++)
-                memcpy(y + t * ntot + off, tmp + t * n, sizeof(float) * (size_t)n);
-        off += n;
-    }
-    return 0;
+static inline float ld_float(int64_t bits) {
+    const uint32_t b = (uint32_t)bits;
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
 }
 
-/* int8 KV write of one [Hkv, D] row: per head scale = max(max|v| / 127, tiny), values
- * rounded half to even (the same float operations as kv_quant.quantize_kv). */
-static void write_kv_i8(const float *v, int64_t Hkv, int64_t D, int8_t *dst, float *scale) {
-    const float rounder = 12582912.0f;   /* 1.5 * 2^23 */
-    for (int64_t h = 0; h < Hkv; h++) {
-        const float *r = v + h * D;
-        float amax = 0.0f;
-        for (int64_t d = 0; d < D; d++) amax = fmaxf(amax, fabsf(r[d]));
-        const float s = fmaxf(amax / 127.0f, DEC_TINY);
-        scale[h] = s;
-        for (int64_t d = 0; d < D; d++) {
-            volatile float y = fminf(fmaxf(r[d] / s, -127.0f), 127.0f);
-            y = y + rounder;
-            y = y - rounder;
-            dst[h * D + d] = (int8_t)y;
-        }
+/* What is the same for every layer of one call. */
+typedef struct {
+    int64_t T, H, Hq, Hkv, D, I;
+    const int64_t *pos, *slots, *block_tables, *q_start, *q_len, *seq_len;
+    int64_t bs, bt_stride, B;
+    int kv_dt, q8, nthreads;
+} dec_step;
+
+/* Scratch rows: h, h2 [T, H], qkv [T, (Hq + 2 Hkv) D], att [T, Hq D], gu [T, 2I], act [T, I],
+ * tmp (the parts of a linear) and xp (permuted inputs). */
+typedef struct { float *h, *h2, *qkv, *att, *gu, *act, *tmp, *xp; } dec_bufs;
+
+static void norm(const int64_t *ld, int field, const float *x, float *residual, int64_t rows,
+                 int64_t n, float *out, int nthreads) {
+    tm_rms_norm(x, residual, (const float *)ld[field], ld_float(ld[LD_EPS]), (int)ld[LD_GEMMA],
+                rows, n, out, nthreads);
+}
+
+/* q and k heads of each token normalised in place (Qwen3, Gemma 3): the module normalises
+ * a copy of the same rows with the same kernel. */
+static void qk_norm(const int64_t *ld, const dec_step *s, float *qkv) {
+    const int64_t nqkv = (s->Hq + 2 * s->Hkv) * s->D;
+    for (int64_t t = 0; t < s->T; t++) {
+        float *q = qkv + t * nqkv, *k = q + s->Hq * s->D;
+        norm(ld, LD_Q_NORM, q, NULL, s->Hq, s->D, q, s->nthreads);
+        norm(ld, LD_K_NORM, k, NULL, s->Hkv, s->D, k, s->nthreads);
     }
 }
 
-int tm_llama_decode(float *x, int64_t T, int64_t H, int64_t L,
-                    const int64_t *ln1, const int64_t *ln2, const int64_t *linears,
+static const float *bias(const int64_t *ld, int field) { return (const float *)ld[field]; }
+
+/* x's attention half up to the o projection: w->h = o. Returns 1 if attention, 2 if the q8
+ * kernel, could not allocate its buffer. */
+static int attention(const int64_t *ld, const dec_step *s, const float *x, void *kc, void *vc,
+                     float *ks, float *vs, const dec_bufs *w) {
+    const int64_t *lin = (const int64_t *)ld[LD_LINEARS], per_linear = DEC_PARTS * DEC_FIELDS;
+    const int64_t nqkv = (s->Hq + 2 * s->Hkv) * s->D, qd = s->Hq * s->D;
+    norm(ld, LD_NORM_IN, x, NULL, s->T, s->H, w->h, s->nthreads);
+    if (dec_linear(lin, bias(ld, LD_BIAS_QKV), w->h, s->T, s->H, nqkv, w->qkv, w->tmp, w->xp,
+                   s->q8, s->nthreads))
+        return 2;
+    if (ld[LD_Q_NORM]) qk_norm(ld, s, w->qkv);
+    tm_rope(w->qkv, w->qkv + qd, s->T, s->Hq, s->Hkv, s->D, nqkv, nqkv, (const float *)ld[LD_COS],
+            (const float *)ld[LD_SIN], s->pos);
+    write_kv(w->qkv, s->T, s->Hq, s->Hkv, s->D, s->slots, kc, vc, ks, vs, s->kv_dt);
+    if (tm_paged_attention(w->qkv, nqkv, s->Hq, s->D, kc, vc, ks, vs, s->kv_dt, s->bs, s->Hkv,
+                           s->block_tables, s->bt_stride, s->B, s->q_start, s->q_len, s->seq_len,
+                           ld_float(ld[LD_SCALE]), ld[LD_WINDOW], w->att, s->nthreads))
+        return 1;
+    return dec_linear(lin + per_linear, bias(ld, LD_BIAS_O), w->att, s->T, qd, s->H, w->h, w->tmp,
+                      w->xp, s->q8, s->nthreads) ? 2 : 0;
+}
+
+/* The gated MLP of h2: w->h = down(act(gate) * up). Returns 2 if the q8 kernel could not
+ * allocate its buffer. */
+static int mlp(const int64_t *ld, const dec_step *s, const dec_bufs *w) {
+    const int64_t *lin = (const int64_t *)ld[LD_LINEARS], per_linear = DEC_PARTS * DEC_FIELDS;
+    if (dec_linear(lin + 2 * per_linear, bias(ld, LD_BIAS_GATE_UP), w->h2, s->T, s->H, 2 * s->I,
+                   w->gu, w->tmp, w->xp, s->q8, s->nthreads))
+        return 2;
+    if (ld[LD_ACT] == DEC_ACT_GELU_TANH) tm_gelu_tanh_mul(w->gu, s->T, s->I, w->act, s->nthreads);
+    else tm_silu_mul(w->gu, s->T, s->I, w->act, s->nthreads);
+    return dec_linear(lin + 3 * per_linear, bias(ld, LD_BIAS_DOWN), w->act, s->T, s->I, s->H, w->h,
+                      w->tmp, w->xp, s->q8, s->nthreads) ? 2 : 0;
+}
+
+static void add_rows(float *x, const float *y, int64_t n) {   /* the module path's x + y */
+    for (int64_t i = 0; i < n; i++) x[i] += y[i];
+}
+
+/* The residual add of the attention output w->h and the FFN's input norm: w->h2. */
+static void attention_residual(const int64_t *ld, const dec_step *s, float *x, const dec_bufs *w) {
+    if (!ld[LD_NORM_PRE_FFN]) {   /* x += h, then norm: one fused kernel, as add_and_norm */
+        norm(ld, LD_NORM_POST_ATTN, w->h, x, s->T, s->H, w->h2, s->nthreads);
+        return;
+    }
+    norm(ld, LD_NORM_POST_ATTN, w->h, NULL, s->T, s->H, w->h2, s->nthreads);
+    add_rows(x, w->h2, s->T * s->H);
+    norm(ld, LD_NORM_PRE_FFN, x, NULL, s->T, s->H, w->h2, s->nthreads);
+}
+
+/* The FFN output w->h into the residual stream, through the post-FFN norm where there is one. */
+static void ffn_residual(const int64_t *ld, const dec_step *s, float *x, const dec_bufs *w) {
+    if (ld[LD_NORM_POST_FFN]) {
+        norm(ld, LD_NORM_POST_FFN, w->h, NULL, s->T, s->H, w->h2, s->nthreads);
+        add_rows(x, w->h2, s->T * s->H);
+    } else {
+        add_rows(x, w->h, s->T * s->H);
+    }
+}
+
+static dec_bufs carve(float *scratch, const dec_step *s) {
+    const int64_t T = s->T, nqkv = (s->Hq + 2 * s->Hkv) * s->D, two_i = 2 * s->I;
+    const int64_t tmp_cols = nqkv > two_i ? (nqkv > s->H ? nqkv : s->H) : (two_i > s->H ? two_i : s->H);
+    dec_bufs w;
+    w.h = scratch; w.h2 = w.h + T * s->H; w.qkv = w.h2 + T * s->H; w.att = w.qkv + T * nqkv;
+    w.gu = w.att + T * s->Hq * s->D; w.act = w.gu + T * two_i; w.tmp = w.act + T * s->I;
+    w.xp = w.tmp + T * tmp_cols;
+    return w;
+}
+
+/* x [T, H] through L layers (layers: L rows of LD_FIELDS). Caches: arrays of L addresses;
+ * kv_dt: their value type (KV_F32 / KV_F16 / KV_BF16, or KV_I8 with k_scales / v_scales,
+ * else NULL: L addresses of per-slot scales). scratch holds T * (2H + Q + Hq D + 3I +
+ * max(Q, 2I, H) + max(H, Hq D, I)) floats, Q = (Hq + 2Hkv) D. q8: int8 / int4 linears take
+ * int8-rounded activations (tm_qmm_q8). ffn_in: NULL, or [T, H] floats that receive the
+ * FFN's normed input instead of running the FFN (MoE layers: the caller runs its experts
+ * on it and adds them to x). Returns 1 if attention, 2 if the q8 kernel, could not
+ * allocate its buffer. */
+int tm_llama_decode(float *x, int64_t T, int64_t H, int64_t L, const int64_t *layers,
                     const int64_t *k_caches, const int64_t *v_caches,
                     const int64_t *k_scales, const int64_t *v_scales, int kv_dt,
-                    int64_t Hq, int64_t Hkv, int64_t D, int64_t I, float eps,
-                    const float *cos, const float *sin, const int64_t *pos,
+                    int64_t Hq, int64_t Hkv, int64_t D, int64_t I, const int64_t *pos,
                     const int64_t *slots, int64_t bs, const int64_t *block_tables,
                     int64_t bt_stride, int64_t B, const int64_t *q_start,
-                    const int64_t *q_len, const int64_t *seq_len, float scale,
+                    const int64_t *q_len, const int64_t *seq_len,
                     float *scratch, float *ffn_in, int q8, int nthreads) {
-    const int64_t nqkv = (Hq + 2 * Hkv) * D, kv_row = Hkv * D;
-    float *h = scratch, *h2 = h + T * H, *qkv = h2 + T * H, *att = qkv + T * nqkv;
-    float *gu = att + T * Hq * D, *act = gu + T * 2 * I, *tmp = act + T * I;
-    const int64_t tmp_cols = nqkv > 2 * I ? (nqkv > H ? nqkv : H) : (2 * I > H ? 2 * I : H);
-    float *xp = tmp + T * tmp_cols;
-    const int64_t per_linear = DEC_PARTS * DEC_FIELDS;
+    const dec_step s = {T, H, Hq, Hkv, D, I, pos, slots, block_tables, q_start, q_len, seq_len,
+                        bs, bt_stride, B, kv_dt, q8, nthreads};
+    const dec_bufs w = carve(scratch, &s);
     for (int64_t l = 0; l < L; l++) {
-        void *kc = (void *)k_caches[l], *vc = (void *)v_caches[l];
+        const int64_t *ld = layers + l * LD_FIELDS;
         float *ks = k_scales ? (float *)k_scales[l] : NULL, *vs = v_scales ? (float *)v_scales[l] : NULL;
-        const int64_t *lin = linears + l * 4 * per_linear;
-        tm_rms_norm(x, NULL, (const float *)ln1[l], eps, 0, T, H, h, nthreads);
-        if (dec_linear(lin, h, T, H, nqkv, qkv, tmp, xp, q8, nthreads)) return 2;
-        tm_rope(qkv, qkv + Hq * D, T, Hq, Hkv, D, nqkv, nqkv, cos, sin, pos);
-        for (int64_t t = 0; t < T; t++) {
-            const float *kr = qkv + t * nqkv + Hq * D, *vr = kr + Hkv * D;
-            if (ks) {
-                write_kv_i8(kr, Hkv, D, (int8_t *)kc + slots[t] * kv_row, ks + slots[t] * Hkv);
-                write_kv_i8(vr, Hkv, D, (int8_t *)vc + slots[t] * kv_row, vs + slots[t] * Hkv);
-            } else {
-                kv_store_row(kr, (void *)kv_at(kc, slots[t] * kv_row, kv_dt), kv_row, kv_dt);
-                kv_store_row(vr, (void *)kv_at(vc, slots[t] * kv_row, kv_dt), kv_row, kv_dt);
-            }
-        }
-        if (tm_paged_attention(qkv, nqkv, Hq, D, kc, vc, ks, vs, kv_dt, bs, Hkv, block_tables,
-                               bt_stride, B, q_start, q_len, seq_len, scale, 0, att, nthreads))
-            return 1;
-        if (dec_linear(lin + per_linear, att, T, Hq * D, H, h, tmp, xp, q8, nthreads)) return 2;
-        tm_rms_norm(h, x, (const float *)ln2[l], eps, 0, T, H, h2, nthreads);   /* x += h */
+        const int failed = attention(ld, &s, x, (void *)k_caches[l], (void *)v_caches[l], ks, vs, &w);
+        if (failed) return failed;
+        attention_residual(ld, &s, x, &w);
         if (ffn_in) {
-            memcpy(ffn_in, h2, sizeof(float) * (size_t)(T * H));
+            memcpy(ffn_in, w.h2, sizeof(float) * (size_t)(T * H));
             continue;
         }
-        if (dec_linear(lin + 2 * per_linear, h2, T, H, 2 * I, gu, tmp, xp, q8, nthreads)) return 2;
-        tm_silu_mul(gu, T, I, act, nthreads);
-        if (dec_linear(lin + 3 * per_linear, act, T, I, H, h, tmp, xp, q8, nthreads)) return 2;
-        for (int64_t i = 0; i < T * H; i++) x[i] += h[i];
+        if (mlp(ld, &s, &w)) return 2;
+        ffn_residual(ld, &s, x, &w);
     }
     return 0;
 }

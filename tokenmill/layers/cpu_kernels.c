@@ -3,5 +3,6 @@
 #include "cpu_ops.c"
 #include "cpu_attention.c"
 #include "quant/qmm.c"
+#include "cpu_decode_linear.c"
 #include "cpu_decode.c"
 #include "cpu_sync.c"

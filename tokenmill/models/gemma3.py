@@ -135,13 +135,18 @@ class Gemma3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata, backend: AttentionBackend, aux=None) -> torch.Tensor:
         # input_ids [T], positions [T] -> hidden [T, hidden]; aux as in LlamaForCausalLM
-        x = self.model.embed_tokens(input_ids)
-        x = x * self.model.embed_scale.to(x.dtype)
+        x = self.embed(input_ids)
         for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             x = layer(positions, x, kv_cache, meta, backend)
             if aux is not None:
                 aux.offer(index, x)
         return self.model.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:   # [T] -> [T, hidden]
+        """Embeddings times sqrt(hidden): the decoder stack's input (the one-call decode
+        stack starts from it too)."""
+        x = self.model.embed_tokens(input_ids)
+        return x * self.model.embed_scale.to(x.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:   # [N, hidden] -> [N, V]
         logits = self.lm_head(hidden).float()

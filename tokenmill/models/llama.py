@@ -277,12 +277,16 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, backend: AttentionBackend, aux=None) -> torch.Tensor:
         # input_ids [T], positions [T] -> hidden [T, hidden]. aux: a spec.draft_input.AuxCapture
         # that keeps the outputs of the layers a drafter reads.
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches)):
             x = layer(positions, x, kv_cache, meta, backend)
             if aux is not None:
                 aux.offer(index, x)
         return self.model.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:   # [T] -> [T, hidden]
+        """The decoder stack's input (the one-call decode stack starts from it too)."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:   # [N, hidden] -> [N, V]
         return self.lm_head(hidden).float()

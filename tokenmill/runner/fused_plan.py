@@ -1,0 +1,266 @@
+"""The plan of the one-call C decode stack (runner/fused_stack.py, layers/cpu_decode.c): for
+each layer a row of int64 fields saying what it has (layers/cpu_decode.c's ``LD_*``: norm
+weights and style, sandwich norms, per-head q/k norms, biases, activation, sliding window,
+RoPE tables, eps, attention scale), and the descriptors of its linears. A layer is planned
+only when the C loop computes exactly what its modules would; anything else makes the
+whole model None, and the runner keeps running its modules.
+
+Decoders the C loop replicates: ``LlamaDecoderLayer`` (Llama, Mistral, Qwen2, Qwen3) and
+``Gemma3DecoderLayer`` (four norms: input, post-attention, pre- and post-feedforward);
+MoE layers (every layer's FFN a ``SparseMoE``) have their attention half planned.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Optional
+
+import torch
+from torch import nn
+
+from tokenmill.layers import cpu_ops
+from tokenmill.layers.activation import GeluTanhAndMul, SiluAndMul
+from tokenmill.layers.moe import SparseMoE
+from tokenmill.layers.norm import GemmaRMSNorm, RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer
+from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+from tokenmill.models.mixtral import MixtralDecoderLayer
+
+DEC_PARTS, DEC_FIELDS = 4, 10   # cpu_decode_linear.c: parts per linear, int64 fields per part
+_NO_PART = [-2] + [0] * (DEC_FIELDS - 1)
+# cpu_decode.c's LD_* enum, in order (tests/models/test_fused_architectures.py compares them)
+LAYER_FIELDS = ("linears", "norm_in", "norm_post_attn", "norm_pre_ffn", "norm_post_ffn",
+                "q_norm", "k_norm", "bias_qkv", "bias_o", "bias_gate_up", "bias_down",
+                "gemma", "act", "window", "cos", "sin", "eps", "scale")
+ACT_CODES = {SiluAndMul: 0, GeluTanhAndMul: 1}   # cpu_decode.c: LD_ACT
+
+
+def is_fp32_cpu(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype is torch.float32 and t.device.type == "cpu"
+
+
+def _vector_ok(t, n: int) -> bool:
+    """A float32 CPU [n] tensor the C side can read by address."""
+    return is_fp32_cpu(t) and t.is_contiguous() and t.shape == (n,)
+
+
+def _float_bits(value: float) -> int:
+    """value rounded to float32 (as ctypes passes a float argument), as its bit pattern."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def _layer_norms(layer: nn.Module) -> Optional[tuple]:
+    """(input, post-attention, pre-FFN, post-FFN) norms of a decoder whose forward the C loop
+    replicates (the last two None for the Llama shape), else None."""
+    if type(layer) in (LlamaDecoderLayer, MixtralDecoderLayer):
+        return layer.input_layernorm, layer.post_attention_layernorm, None, None
+    if type(layer) is Gemma3DecoderLayer:
+        return (layer.input_layernorm, layer.post_attention_layernorm,
+                layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
+    return None
+
+
+def _norms_ok(layer_norms: list, head_norms: list, hidden: int, head_dim: int) -> bool:
+    """One kind (RMSNorm or GemmaRMSNorm: the layer's LD_GEMMA) and one eps for all the
+    layer's norms, its per-head q / k norms (both or none) included."""
+    kind, eps = type(layer_norms[0]), layer_norms[0].eps
+    sized = [(n, hidden) for n in layer_norms] + [(n, head_dim) for n in head_norms]
+    return kind in (RMSNorm, GemmaRMSNorm) and len(head_norms) in (0, 2) and all(
+        type(n) is kind and n.eps == eps and _vector_ok(n.weight, size) for n, size in sized)
+
+
+def _attention_ok(a: nn.Module, a0: nn.Module) -> bool:
+    rotary = a.rotary
+    return (type(a) in (LlamaAttention, Gemma3Attention) and not a.norm_over_projection
+            and a.clip_qkv is None and a.head_dim % 2 == 0
+            and (a.num_heads, a.num_kv_heads, a.head_dim) == (a0.num_heads, a0.num_kv_heads, a0.head_dim)
+            and type(rotary) is RotaryEmbedding and is_fp32_cpu(rotary.cos)
+            and rotary.cos.is_contiguous() and rotary.sin.is_contiguous())
+
+
+def stack_kind(model: nn.Module) -> Optional[str]:
+    """"dense" (whole layers in C), "moe" (attention in C, experts as modules) or None."""
+    if getattr(model, "tp", None) is not None and model.tp.size != 1:
+        return None   # split layers need their all-reduces
+    layers = list(model.model.layers)
+    if not layers or any(_layer_norms(layer) is None for layer in layers):
+        return None
+    ffns = [layer._modules.get(getattr(layer, "ffn_name", "mlp")) for layer in layers]
+    moe = all(type(f) is SparseMoE for f in ffns)
+    a0 = layers[0].self_attn
+    for layer, ffn in zip(layers, ffns):
+        a = layer.self_attn
+        norms = [n for n in _layer_norms(layer) if n is not None]
+        head_norms = [n for n in (a.q_norm, a.k_norm) if n is not None]
+        dense_ok = (type(ffn) is LlamaMLP and type(ffn.act) in ACT_CODES
+                    and ffn.down_proj.in_features == ffns[0].down_proj.in_features)
+        if not ((moe or dense_ok) and _attention_ok(a, a0)
+                and _norms_ok(norms, head_norms, model.args.hidden_size, a.head_dim)):
+            return None
+    return "moe" if moe else "dense"
+
+
+def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
+    """cpu_decode_linear.c's descriptor of one linear and the object whose identity pins it
+    (the float weight, or the packed-parts list), or None when the C path cannot run it
+    exactly as the module would. Its bias (if any) is the layer row's business."""
+    from tokenmill.layers.quant import kernels
+    from tokenmill.layers.quant.matmul import _KINDS, kernel_applies
+    from tokenmill.layers.quant.methods import PackedLinearMethod, UnquantizedLinearMethod
+    method = lin.quant_method
+    if lin.bias is not None and not _vector_ok(lin.bias, lin.out_features):
+        return None
+    if type(method) is UnquantizedLinearMethod:
+        w = getattr(lin, "weight", None)
+        if not (is_fp32_cpu(w) and w.is_contiguous()):
+            return None
+        float_part = [-1, w.data_ptr(), 0, 0, 0, w.shape[0]]
+        return float_part + [0] * (DEC_FIELDS - len(float_part)) + _NO_PART * (DEC_PARTS - 1), w
+    if not (isinstance(method, PackedLinearMethod) and type(method).apply is PackedLinearMethod.apply
+            and method.use_kernel and method.kernel_max_rows >= cpu_ops.LINEAR_MAX_ROWS):
+        return None
+    parts = lin.packed
+    if not parts or len(parts) > DEC_PARTS or not all(kernel_applies(p) for p in parts):
+        return None
+    desc = []
+    for p in parts:
+        if p.perm is not None and not (p.perm.dtype is torch.int64 and p.perm.is_contiguous()
+                                       and p.perm.numel() == p.in_features):
+            return None
+        desc += [kernels.kind_code(_KINDS[p.kind], p.scales), p.qweight.data_ptr(), p.scales.data_ptr(),
+                 p.mins.data_ptr() if p.mins is not None else 0, p.group_size, p.out_features,
+                 p.perm.data_ptr() if p.perm is not None else 0] + _tiled_fields(p)
+    return desc + _NO_PART * (DEC_PARTS - len(parts)), parts
+
+
+def _tiled_fields(p) -> list[int]:
+    """The tiled copy's addresses (qw, sc, mn or 0) for q8 steps, zeros without one."""
+    t = p.tiled
+    if t is None:
+        return [0, 0, 0]
+    return [t.qw.data_ptr(), t.sc.data_ptr(), t.mn.data_ptr() if t.mn is not None else 0]
+
+
+def stack_plan(model: nn.Module) -> Optional["StackPlan"]:
+    """The model's plan, or None when the C loop cannot run its stack (cached)."""
+    plan = model.__dict__.get("_fused_stack_plan", False)
+    if plan is False:
+        kind = stack_kind(model)
+        plan = _build(model, kind) if kind is not None else None
+        model.__dict__["_fused_stack_plan"] = plan
+    return plan
+
+
+def _build(model: nn.Module, kind: str) -> Optional["StackPlan"]:
+    """The plan, or None when a linear is one the C path cannot run."""
+    layer_linears = []
+    for layer in model.model.layers:
+        a = layer.self_attn
+        lins = [a.qkv_proj, a.o_proj] + ([] if kind == "moe" else [layer.mlp.gate_up_proj, layer.mlp.down_proj])
+        descs = [_linear_desc(lin) for lin in lins]
+        if any(d is None for d in descs):
+            return None
+        layer_linears.append([(lin, *d) for lin, d in zip(lins, descs)])
+    return StackPlan(model, kind, layer_linears)
+
+
+class StackPlan:
+    """Per-model constants of the fused stack: dims, the layer rows (``layers`` [L,
+    len(LAYER_FIELDS)] int64) and the linear descriptors they point into (``linears``: per
+    layer qkv, o, gate_up, down; MoE layers' last two empty)."""
+
+    def __init__(self, model: nn.Module, kind: str, layer_linears: list) -> None:
+        layers = model.model.layers
+        a0 = layers[0].self_attn
+        self.hidden = model.args.hidden_size
+        self.heads, self.kv_heads, self.head_dim = a0.num_heads, a0.num_kv_heads, a0.head_dim
+        # MoE: each layer's SparseMoE, run between the C calls
+        self.moe_ffns = [layer._modules[layer.ffn_name] for layer in layers] if kind == "moe" else None
+        self.inter = 0 if self.moe_ffns else layers[0].mlp.down_proj.in_features
+        self.num_layers = len(layers)
+        self.rotaries = list({id(layer.self_attn.rotary): layer.self_attn.rotary for layer in layers}.values())
+        # each module's hook dicts (registering a hook fills them; they are not replaced)
+        self.hook_dicts = [d for layer in layers for m in layer.modules()
+                           for d in (m._forward_hooks, m._forward_pre_hooks)]
+        rows = []
+        for lins in layer_linears:   # 4 slots per layer (MoE: qkv and o, then 2 empty)
+            rows += [v for _, desc, _ in lins for v in desc] + _NO_PART * DEC_PARTS * (4 - len(lins))
+        self.linears = torch.tensor(rows, dtype=torch.int64)
+        # The C side gets raw addresses: keep what they point into referenced, and check per
+        # call that the modules still hold exactly these objects: (where the module keeps
+        # it, its name, the object planned). Packed parts live in the module's __dict__.
+        self.pins = [(lin.__dict__, "packed", pin) if isinstance(pin, list) else (lin._parameters, "weight", pin)
+                     for lins in layer_linears for lin, _, pin in lins]
+        self.layers = torch.tensor([self._layer_row(i, layer, [lin for lin, _, _ in lins])
+                                    for i, (layer, lins) in enumerate(zip(layers, layer_linears))],
+                                   dtype=torch.int64)
+        self._caches: list = []
+        self.packed_methods = list({id(lin.quant_method): lin.quant_method
+                                    for lins in layer_linears for lin, _, pin in lins
+                                    if isinstance(pin, list)}.values())
+
+    def _pin(self, store: dict, name: str) -> int:
+        """The address of store[name], which usable() checks is still the module's."""
+        self.pins.append((store, name, store[name]))
+        return store[name].data_ptr()
+
+    def _layer_row(self, index: int, layer: nn.Module, lins: list) -> list[int]:
+        """cpu_decode.c's LD_* fields of one layer."""
+        a = layer.self_attn
+        norms = _layer_norms(layer)
+        row = dict.fromkeys(LAYER_FIELDS, 0)
+        row["linears"] = self.linears.data_ptr() + 8 * index * 4 * DEC_PARTS * DEC_FIELDS
+        for field, norm in zip(("norm_in", "norm_post_attn", "norm_pre_ffn", "norm_post_ffn", "q_norm", "k_norm"),
+                               norms + (a.q_norm, a.k_norm)):
+            if norm is not None:
+                row[field] = self._pin(norm._parameters, "weight")
+        for field, lin in zip(("bias_qkv", "bias_o", "bias_gate_up", "bias_down"), lins):
+            if lin.bias is not None:
+                row[field] = self._pin(lin._parameters, "bias")
+        row["gemma"] = int(norms[0].gemma)
+        row["act"] = 0 if self.moe_ffns else ACT_CODES[type(layer.mlp.act)]
+        row["window"] = a.sliding_window or 0
+        row["cos"], row["sin"] = self._pin(a.rotary._buffers, "cos"), self._pin(a.rotary._buffers, "sin")
+        row["eps"], row["scale"] = _float_bits(norms[0].eps), _float_bits(a.scale)
+        return [row[f] for f in LAYER_FIELDS]
+
+    def activations(self) -> Optional[str]:
+        """"q8" / "fp32": what every packed linear takes now ("fp32" without packed
+        linears); None if they differ."""
+        modes = {m.activations for m in self.packed_methods}
+        return modes.pop() if len(modes) == 1 else ("fp32" if not modes else None)
+
+    def usable(self) -> bool:
+        """Same weights as when planned and no hooks that eager mode would run."""
+        from torch.nn.modules import module as torch_module
+        if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+            return False
+        if any(store.get(name) is not pin for store, name, pin in self.pins):
+            return False
+        return not any(self.hook_dicts)
+
+    def cache_ptrs(self, kv_caches: list) -> Optional[tuple]:
+        """(k, v, k scales or None, v scales or None, value type code) address arrays; None
+        for caches the C path does not write (float32 / float16 / bfloat16 and int8 are)."""
+        if len(kv_caches) != len(self._caches) or any(
+                a is not b for pair, old in zip(kv_caches, self._caches) for a, b in zip(pair, old)):
+            # the attention kernel's reader: float caches, or int8 with per-slot scales
+            parts = [cpu_ops._cache_parts(c) for pair in kv_caches for c in pair]
+            if any(p[0] is None for p in parts) or len({p[2] for p in parts}) != 1:
+                return None
+
+            def addresses(items):
+                return torch.tensor([t.data_ptr() for t in items], dtype=torch.int64)
+            values, scales = [p[0] for p in parts], [p[1] for p in parts]
+            self._ptrs = (addresses(values[0::2]), addresses(values[1::2]),
+                          None if scales[0] is None else addresses(scales[0::2]),
+                          None if scales[0] is None else addresses(scales[1::2]),
+                          parts[0][2])
+            self.block_size = values[0].shape[1]
+            self._caches = [tuple(pair) for pair in kv_caches]   # referenced: addresses stay valid
+        return self._ptrs
+
+    def positions_ok(self, positions: torch.Tensor, step_cache: Optional[dict]) -> bool:
+        """Every position inside every RoPE table the layers use (the kernel indexes them
+        unchecked)."""
+        return all(rotary._fused_ok(positions, step_cache) for rotary in self.rotaries)
