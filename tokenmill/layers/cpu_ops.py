@@ -152,25 +152,24 @@ def rope_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return True
 
 
-# -- silu(gate) * up ----------------------------------------------------------------------
+# -- act(gate) * up ------------------------------------------------------------------------
 def silu_mul(x: torch.Tensor) -> Optional[torch.Tensor]:
     """x [T, 2I] (gate | up) -> silu(gate) * up [T, I]."""
-    if not (available() and x.dim() == 2 and _ok(x) and x.is_contiguous() and x.shape[1] % 2 == 0):
-        return None
-    t, two_i = x.shape
-    out = torch.empty(t, two_i // 2, dtype=torch.float32)
-    native.library().tm_silu_mul(x.data_ptr(), t, two_i // 2, out.data_ptr(), torch.get_num_threads())
-    return out
+    return _gated(x, "tm_silu_mul")
 
 
-# -- gelu_tanh(gate) * up ------------------------------------------------------------------
 def gelu_tanh_mul(x: torch.Tensor) -> Optional[torch.Tensor]:
     """x [T, 2I] (gate | up) -> gelu(gate, approximate="tanh") * up [T, I] (Gemma's MLP)."""
+    return _gated(x, "tm_gelu_tanh_mul")
+
+
+def _gated(x: torch.Tensor, kernel: str) -> Optional[torch.Tensor]:
+    """One gated-activation kernel of the library on [T, 2I] rows; None where it cannot run."""
     if not (available() and x.dim() == 2 and _ok(x) and x.is_contiguous() and x.shape[1] % 2 == 0):
         return None
     t, two_i = x.shape
     out = torch.empty(t, two_i // 2, dtype=torch.float32)
-    native.library().tm_gelu_tanh_mul(x.data_ptr(), t, two_i // 2, out.data_ptr(), torch.get_num_threads())
+    getattr(native.library(), kernel)(x.data_ptr(), t, two_i // 2, out.data_ptr(), torch.get_num_threads())
     return out
 
 
