@@ -130,9 +130,9 @@ def plan_rows(path: str, args) -> list[dict]:
                 rows.append({"engine": name, "precision": p,
                              "skip": missing or (None if is_gguf else "needs a .gguf model")})
         elif name == "vllm":
-            if getattr(args, "vllm_python", None):   # installed elsewhere: its worker says if not
+            if args.vllm_python:   # installed elsewhere: its worker says if not
                 missing = None if os.path.isfile(args.vllm_python) else f"no such python {args.vllm_python}"
-            for p in [p.strip() for p in getattr(args, "vllm_precisions", "fp32").split(",") if p.strip()]:
+            for p in [p.strip() for p in args.vllm_precisions.split(",") if p.strip()]:
                 rows.append({"engine": name, "precision": p, "skip": missing})
         else:
             rows.append({"engine": name, "precision": "fp32", "skip": missing})
