@@ -206,6 +206,15 @@ def test_cpu_matches_reference_block_size_one_with_window():
                            window=4)
 
 
+@pytest.mark.parametrize("window", [1, 16, 50, 64, 200])
+def test_cpu_windowed_prefill_tiles_match_reference(window):
+    # Prefill runs far longer than the window, with and without cached context: the windowed
+    # path reads only the keys each query tile can see (tiles of >= 64 rows, blocks of 16).
+    runs = [(300, 300), (150, 700), (97, 161), (9, 500), (200, 210), (1, 333)]
+    check_cpu_vs_reference(runs, num_heads=6, num_kv_heads=2, head_dim=32, block_size=16,
+                           window=window, seed=window)
+
+
 def test_cpu_long_runs_and_spec_like_runs():
     # Runs straddling the batched/per-request threshold, with and without cached context.
     runs = [(8, 8), (8, 20), (9, 9), (9, 30), (5, 37), (1, 64), (40, 100)]

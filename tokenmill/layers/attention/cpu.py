@@ -175,6 +175,72 @@ def _folded_mask(
     return mask.reshape(num_reqs, 1, max_q * group, num_keys)
 
 
+# A sliding-window prefill takes its queries in tiles of at least this many rows: tile
+# [s, e) reads only keys (s - window, e), so the work grows with q_len * window rather than
+# q_len * seq_len, and each tile is still large enough for the flash kernel to pay off.
+MIN_WINDOW_TILE = 64
+
+
+def _prefill_windowed(
+    q: torch.Tensor,            # [q_len, num_heads, head_dim]
+    key: torch.Tensor,          # [q_len, num_kv_heads, head_dim] this chunk's fresh K
+    value: torch.Tensor,
+    k_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_num_blocks]
+    seq_len: int,
+    scale: float,
+    window: int,
+    plan_cache: Optional[dict],
+) -> torch.Tensor:              # [q_len, num_heads, head_dim] fp32
+    q_len = q.shape[0]
+    ctx = seq_len - q_len
+    k, v, k_first = _window_keys(key, value, k_cache, v_cache, block_table, seq_len,
+                                 max(0, ctx - window + 1))           # [1, Hkv, S', D]
+    qt = q.float().transpose(0, 1)[None]                             # [1, H, q_len, D]
+    out = torch.empty(q_len, q.shape[1], q.shape[2], dtype=torch.float32, device=q.device)
+    tile = max(window, MIN_WINDOW_TILE)
+    for s in range(0, q_len, tile):
+        e = min(s + tile, q_len)
+        q_first = ctx + s                                            # absolute positions
+        lo = max(k_first, q_first - window + 1) - k_first            # key rows of this tile
+        hi = ctx + e - k_first
+        mask = _band_mask(q_first - (k_first + lo), e - s, hi - lo, window, q.device,
+                          plan_cache)
+        o = F.scaled_dot_product_attention(
+            qt[:, :, s:e], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask, scale=scale,
+            enable_gqa=True)
+        out[s:e] = o[0].transpose(0, 1)
+    return out
+
+
+def _window_keys(key, value, k_cache, v_cache, block_table, seq_len: int, first: int):
+    """K/V of positions [first', seq_len) as 2 x [1, Hkv, S', D] fp32 with first' <= first
+    (whole blocks are read); returns them and first'."""
+    if seq_len == key.shape[0]:            # the chunk is the whole context: use it directly
+        k, v = key[first:].float().transpose(0, 1), value[first:].float().transpose(0, 1)
+        return k[None], v[None], first
+    block_size = k_cache.shape[1]
+    b0, b1 = first // block_size, -(-seq_len // block_size)
+    k, v = _gather_blocks(k_cache, v_cache, block_table[None, b0:b1])
+    end = seq_len - b0 * block_size
+    return k[:, :, :end], v[:, :, :end], b0 * block_size
+
+
+def _band_mask(offset: int, num_queries: int, num_keys: int, window: int, device,
+               plan_cache: Optional[dict]) -> torch.Tensor:    # [num_queries, num_keys] bool
+    """Query i (at key row offset + i) may attend key row j when offset + i - window < j <=
+    offset + i. The same few shapes recur in every tile and layer of a step: cached."""
+    cache_key = ("band", offset, num_queries, num_keys, window)
+    mask = plan_cache.get(cache_key) if plan_cache is not None else None
+    if mask is None:
+        q_pos = torch.arange(offset, offset + num_queries, device=device)
+        mask = _mask(q_pos, num_keys, window)
+        if plan_cache is not None:
+            plan_cache[cache_key] = mask
+    return mask
+
+
 def _gather_blocks(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
@@ -244,6 +310,11 @@ def _prefill_one(
 ) -> torch.Tensor:              # [q_len, num_heads, head_dim] fp32
     q_len = q.shape[0]
     ctx = seq_len - q_len
+    if sliding_window is not None and seq_len <= sliding_window:
+        sliding_window = None      # every key is inside the window
+    if sliding_window is not None:
+        return _prefill_windowed(q, key, value, k_cache, v_cache, block_table, seq_len, scale,
+                                 sliding_window, plan_cache)
     if ctx == 0:
         # Nothing cached before this chunk: the fresh K/V are the whole context.
         k, v = key.float().transpose(0, 1), value.float().transpose(0, 1)  # [Hkv, S, D]
