@@ -127,7 +127,8 @@ def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
         if p.perm is not None and not (p.perm.dtype is torch.int64 and p.perm.is_contiguous()
                                        and p.perm.numel() == p.in_features):
             return None
-        desc += [kernels.kind_code(_KINDS[p.kind], p.scales), p.qweight.data_ptr(), p.scales.data_ptr(),
+        values = p.qweight.data_ptr() if p.qweight is not None else 0   # 0: only tiled (q8 steps)
+        desc += [kernels.kind_code(_KINDS[p.kind], p.scales), values, p.scales.data_ptr(),
                  p.mins.data_ptr() if p.mins is not None else 0, p.group_size, p.out_features,
                  p.perm.data_ptr() if p.perm is not None else 0] + _tiled_fields(p)
     return desc + _NO_PART * (DEC_PARTS - len(parts)), parts
@@ -198,6 +199,9 @@ class StackPlan:
         self.packed_methods = list({id(lin.quant_method): lin.quant_method
                                     for lins in layer_linears for lin, _, pin in lins
                                     if isinstance(pin, list)}.values())
+        # parts whose values live only in their tiled copy: the C loop reads them at q8 steps only
+        self.tiled_only = any(p.qweight is None for lins in layer_linears for _, _, pin in lins
+                              if isinstance(pin, list) for p in pin)
 
     def _pin(self, store: dict, name: str) -> int:
         """The address of store[name], which usable() checks is still the module's."""
@@ -226,9 +230,10 @@ class StackPlan:
 
     def activations(self) -> Optional[str]:
         """"q8" / "fp32": what every packed linear takes now ("fp32" without packed
-        linears); None if they differ."""
+        linears); None if they differ, or if the C loop would need values only tiled."""
         modes = {m.activations for m in self.packed_methods}
-        return modes.pop() if len(modes) == 1 else ("fp32" if not modes else None)
+        mode = modes.pop() if len(modes) == 1 else ("fp32" if not modes else None)
+        return None if self.tiled_only and mode != "q8" else mode
 
     def usable(self) -> bool:
         """Same weights as when planned and no hooks that eager mode would run."""

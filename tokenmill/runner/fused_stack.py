@@ -64,7 +64,7 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
         return None
     activations = plan.activations()
     if activations is None:
-        return None   # layers set to different activation modes: the modules run them
+        return None   # mixed activation modes, or float ones over tiled-only weights: modules
     caches = plan.cache_ptrs(kv_caches)
     if caches is None:
         return None

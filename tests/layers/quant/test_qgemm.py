@@ -53,6 +53,23 @@ def test_tiled_kernel_matches_q8_reference(kind, n, k, rows):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("kind", ["i8", "i8-g16", "i8m-g32", "i4-g32", "i4-g64"])
+@pytest.mark.parametrize("n", [16, 33, 200])
+def test_tiles_give_back_the_stored_rows(kind, n):
+    """The tiled copy can stand in for qweight: any rows (the last, partial tile included, in
+    any order, repeated) read back bit for bit, and a part kept only tiled dequantizes the same."""
+    p = _packed(kind, n, 128, n)
+    tiled = qgemm.tile(p)
+    rows = torch.tensor([n - 1, 0, 5, n - 1, n // 2, 15 % n], dtype=torch.int64)
+    assert torch.equal(tiled.stored_rows(rows), p.qweight.index_select(0, rows))
+    assert torch.equal(tiled.stored_rows(torch.arange(n)), p.qweight)
+    only_tiled = F.Packed(p.kind, None, p.scales, p.mins, p.group_size, n, 128, tiled=tiled)
+    assert torch.equal(F.dequantize_stored(only_tiled), F.dequantize_stored(p))
+    assert torch.equal(only_tiled.stored(rows), p.qweight.index_select(0, rows))
+    with pytest.raises(ValueError, match="neither qweight nor a tiled copy"):
+        F.Packed(p.kind, None, p.scales, p.mins, p.group_size, n, 128).stored()
+
+
 @needs_kernel
 def test_tiled_kernel_takes_zero_rows():
     t = qgemm.tile(_packed("i4-g32", 40, 64, 1))
@@ -99,6 +116,9 @@ def test_engine_tiles_q8_linears_and_fuses_them(tiny_llama_dir):
     model = q8.engine.model
     parts = [p for m in model.modules() for p in getattr(m, "packed", [])]
     assert parts and all(p.tiled is not None for p in parts)
+    # the tiles are the only copy: no qweight left, on the parts or as parameters
+    assert all(p.qweight is None for p in parts)
+    assert not [n for n, _ in model.named_parameters() if "qweight" in n]
     assert q8.get_memory_stats()["prepacked_weights"] >= sum(p.tiled.nbytes() for p in parts)
     plan = llama_fused.stack_plan(model)
     assert plan is not None
@@ -120,6 +140,15 @@ def test_engine_tiles_q8_linears_and_fuses_them(tiny_llama_dir):
         # later steps: a last-bit difference can move one activation across an int8
         # rounding boundary (seen: 0.025 nats at step 7 of 8)
         assert max(abs(u - v) for u, v in zip(lx, ly)) < 0.1
+    # float activations over tiled-only weights: the modules read the values back from the
+    # tiles (the C stack steps aside) and compute what the untiled model computes
+    from tokenmill.layers.quant.methods import set_quant_activations
+    set_quant_activations(model, "fp32")
+    set_quant_activations(plain.engine.model, "fp32")
+    assert plan.activations() is None
+    c = q8.generate(prompts, SamplingParams(**params), use_tqdm=False)
+    d = plain.generate(prompts, SamplingParams(**params), use_tqdm=False)
+    assert [x.outputs[0].token_ids for x in c] == [y.outputs[0].token_ids for y in d]
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,7 @@ class PackedEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:   # [T] -> [T, hidden] fp32
         p = self.packed
         ids = input_ids.reshape(-1)
-        rows = Packed(p.kind, p.qweight.index_select(0, ids), p.scales.index_select(0, ids),
+        rows = Packed(p.kind, p.stored(ids), p.scales.index_select(0, ids),
                       p.mins.index_select(0, ids) if p.mins is not None else None,
                       p.group_size, ids.numel(), p.in_features)
         return dequantize_stored(rows).view(*input_ids.shape, p.in_features)

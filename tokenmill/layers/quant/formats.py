@@ -26,7 +26,7 @@ class Packed:
     (GPTQ act-order: columns are stored sorted by group)."""
 
     kind: str
-    qweight: torch.Tensor
+    qweight: Optional[torch.Tensor]    # None once the tiled copy is the only one (stored())
     scales: torch.Tensor
     mins: Optional[torch.Tensor]
     group_size: int
@@ -36,7 +36,20 @@ class Packed:
     kernel_ok: Optional[bool] = None   # cached by matmul.packed_linear (shapes never change)
     tiled: Optional[object] = None     # qgemm.Tiled: the q8 GEMM's copy, made at load (qgemm.py)
 
+    def stored(self, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``qweight`` (its ``rows``, int64 ids, when given), read back from the tiled copy
+        when that is the only copy (qgemm.tile_packed_linears)."""
+        if self.qweight is not None:
+            return self.qweight if rows is None else self.qweight.index_select(0, rows)
+        if self.tiled is None:
+            raise ValueError("a packed weight without values: neither qweight nor a tiled copy")
+        if rows is None:
+            rows = torch.arange(self.out_features)
+        return self.tiled.stored_rows(rows)
+
     def tensors(self) -> dict[str, torch.Tensor]:
+        if self.qweight is None:
+            raise ValueError("a packed weight that lives only in its tiled copy has no tensors to register")
         named = {"qweight": self.qweight, "scales": self.scales}
         if self.mins is not None:
             named["mins"] = self.mins
@@ -82,12 +95,13 @@ def dequantize(p: Packed) -> torch.Tensor:
 
 def dequantize_stored(p: Packed) -> torch.Tensor:
     """float32 [N, K] in stored column order (``perm`` applied to the columns)."""
+    stored = p.stored()
     if p.kind == "i8":
-        values = p.qweight.float()
+        values = stored.float()
     elif p.kind == "f8":
-        values = p.qweight.view(torch.float8_e4m3fn).float()
+        values = stored.view(torch.float8_e4m3fn).float()
     elif p.kind == "i4":
-        values = unpack_int4(p.qweight).float()
+        values = unpack_int4(stored).float()
     else:
         raise ValueError(f"unknown packed kind {p.kind!r}")
     n, k = values.shape

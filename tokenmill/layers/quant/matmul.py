@@ -55,8 +55,9 @@ def kernel_applies(p: Packed) -> bool:
     # groups step 32 values at a time; int8 may also have 16 (GGUF Q6_K's scales)
     group_ok = g % _MIN_GROUP[p.kind] == 0 or (
         p.kind == "i8" and g == 16 and p.mins is None and p.in_features % 32 == 0)
-    return (kernels.available() and group_ok and p.in_features % g == 0
-            and p.qweight.device.type == "cpu" and p.qweight.is_contiguous()
+    values_ok = p.qweight is None or (p.qweight.device.type == "cpu" and p.qweight.is_contiguous())
+    return (kernels.available() and group_ok and p.in_features % g == 0 and values_ok
+            and p.scales.device.type == "cpu"
             and p.scales.is_contiguous() and (p.mins is None or p.mins.is_contiguous()))
 
 
@@ -84,7 +85,8 @@ def _dequant_gemm(x2: torch.Tensor, p: Packed) -> torch.Tensor:
     cache instead of a whole fp32 W going through memory: SmolLM2's int8 head is 113 MB as
     float32) and multiply each slice with MKL (cpu_ops.GEMM_N_SLICE: MKL's fast shape)."""
     def rows(n0: int, n1: int) -> torch.Tensor:
-        return kernels.dequant(_KINDS[p.kind], p.qweight[n0:n1], p.scales[n0:n1],
+        values = p.qweight[n0:n1] if p.qweight is not None else p.stored(torch.arange(n0, n1))
+        return kernels.dequant(_KINDS[p.kind], values, p.scales[n0:n1],
                                p.mins[n0:n1] if p.mins is not None else None, p.group_size,
                                n1 - n0, p.in_features)
     return cpu_ops.linear_by_row_slices(x2, p.out_features, rows)
@@ -108,12 +110,10 @@ def packed_linear(x: torch.Tensor, p: Packed, bias: Optional[torch.Tensor] = Non
     if use_kernel and q8 and p.tiled is not None:   # any row count (qgemm.py)
         y = qgemm.qgemm_q8(x2.contiguous(), p.tiled)
     elif use_kernel and x2.shape[0] <= kernel_max_rows and p.kernel_ok:
-        if q8:
-            y = kernels.qmm_q8(x2.contiguous(), _KINDS[p.kind], p.qweight, p.scales, p.mins,
-                               p.group_size, p.out_features)
-        else:
-            y = kernels.qmm(x2.contiguous(), _KINDS[p.kind], p.qweight, p.scales, p.mins,
-                            p.group_size, p.out_features)
+        # (a weight kept only tiled reaches here only with float activations: read back)
+        qmm = kernels.qmm_q8 if q8 else kernels.qmm
+        y = qmm(x2.contiguous(), _KINDS[p.kind], p.stored(), p.scales, p.mins, p.group_size,
+                p.out_features)
     elif use_kernel and p.kernel_ok:
         y = _dequant_gemm(x2, p)
     else:

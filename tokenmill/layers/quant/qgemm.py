@@ -22,7 +22,7 @@ from torch import nn
 
 from tokenmill.layers import native
 from tokenmill.layers.quant import kernels
-from tokenmill.layers.quant.formats import Packed, unpack_int4
+from tokenmill.layers.quant.formats import Packed, pack_int4, unpack_int4
 
 TILE = 16   # weight rows per tile (QG_TILE)
 
@@ -41,6 +41,20 @@ class Tiled:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qw, self.sc, self.mn) if t is not None)
 
+    def stored_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The packed weight's stored values of ``rows`` (int64 ids): int8 [m, K] or int4
+        nibbles [m, K/2], read straight out of the tiles (``_tiled_values`` undone)."""
+        rows = rows.reshape(-1)
+        nb = self.in_features // 32
+        tile, r = rows // TILE, rows % TILE
+        if (self.kind & ~kernels.KIND_HALF) == kernels.KIND_I4:
+            # [t, b, p, r, i] bytes: low nibble value 4 * 2p + i, high nibble 4 * (2p + 1) + i
+            b = self.qw.view(-1, nb, 4, TILE, 4)[tile, :, :, r, :]          # [m, nb, p, i]
+            steps = torch.stack([b & 0x0F, b >> 4], dim=3)                   # [m, nb, p, h, i]
+            return pack_int4(steps.reshape(-1, self.in_features))
+        b = self.qw.view(-1, nb, 8, TILE, 4)[tile, :, :, r, :]              # [m, nb, s, i]
+        return (b.reshape(-1, self.in_features).to(torch.int16) - 128).to(torch.int8)
+
 
 def available() -> bool:
     return kernels.available()
@@ -50,7 +64,7 @@ def applies(p: Packed) -> bool:
     """Kinds and shapes the tiled kernel takes (the same as the streaming q8 kernel's)."""
     group_ok = p.group_size % 32 == 0 or (p.kind == "i8" and p.group_size == 16 and p.mins is None)
     return (p.kind in ("i8", "i4") and group_ok and p.in_features % p.group_size == 0
-            and p.in_features % 32 == 0 and p.qweight.device.type == "cpu")
+            and p.in_features % 32 == 0 and p.scales.device.type == "cpu")
 
 
 def _by_tile(a: torch.Tensor, n: int) -> torch.Tensor:
@@ -110,7 +124,10 @@ def qgemm_q8(x: torch.Tensor, t: Tiled) -> torch.Tensor:
 
 def tile_packed_linears(model: nn.Module) -> int:
     """Give every int8 / int4 part of the packed linears that take q8 activations its tiled
-    copy (where the kernel library runs); returns the bytes added."""
+    copy (where the kernel library runs), which then holds the only copy of the values:
+    every q8 step reads the tiles, and the rare readers of stored rows (a tied embedding,
+    float-activation fallbacks) take them from the tiles. Returns the tiles' bytes (the
+    released values leave the module's parameters, so they leave ``model_weights`` too)."""
     from tokenmill.layers.quant.matmul import kernel_applies
     from tokenmill.layers.quant.methods import PackedLinearMethod
     if not available():
@@ -121,8 +138,20 @@ def tile_packed_linears(model: nn.Module) -> int:
         if not (isinstance(method, PackedLinearMethod) and method.use_kernel
                 and method.activations == "q8"):
             continue
-        for part in module.packed:
+        for i, part in enumerate(module.packed):
             if part.tiled is None and applies(part) and kernel_applies(part):
                 part.tiled = tile(part)
                 added += part.tiled.nbytes()
+                _release_values(module, i, part)
     return added
+
+
+def _release_values(module: nn.Module, index: int, part: Packed) -> None:
+    """Drop part ``index``'s stored values: its ``qweight`` and the module's parameter of
+    it, named as methods.set_packed names it."""
+    name = "qweight" if len(module.packed) == 1 else f"qweight_{index}"
+    if getattr(module, name, None) is None or module._parameters[name].data_ptr() != part.qweight.data_ptr():
+        return   # not registered as set_packed does: leave it
+    delattr(module, name)
+    module.quant_param_names.remove(name)
+    part.qweight = None
