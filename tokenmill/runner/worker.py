@@ -79,7 +79,8 @@ class RankInfo:
     num_layers: int
     head_dim: int
     num_kv_heads: int             # this rank's (its KV cache holds only these)
-    weight_bytes: int             # parameters + buffers of this rank's shard
+    weight_bytes: int             # parameters + buffers of this rank's shard, and the tiled
+    #                               q8 copies that replaced packed values among them
     prepacked_bytes: int
     quantization_method: str
 
@@ -99,6 +100,7 @@ class RankWorker:
     def load(self, checkpoint=None) -> RankInfo:
         """Build this rank's shard (from ``checkpoint`` when the caller has it open)."""
         from tokenmill.engine.stats import module_bytes
+        from tokenmill.layers.quant.qgemm import tiled_only_bytes
         from tokenmill.layers import native
         from tokenmill.layers.attention.base import resolve_backend_name
         from tokenmill.models.loader import open_checkpoint
@@ -121,7 +123,7 @@ class RankWorker:
         a = self.model.args
         return RankInfo(rank=s.rank, vocab_size=a.vocab_size, num_layers=a.num_hidden_layers,
                         head_dim=a.head_dim, num_kv_heads=self.model.num_kv_heads,
-                        weight_bytes=module_bytes(self.model),
+                        weight_bytes=module_bytes(self.model) + tiled_only_bytes(self.model),
                         prepacked_bytes=self.model.prepacked_bytes,
                         quantization_method=self.model.quantization_method)
 

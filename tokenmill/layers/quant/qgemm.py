@@ -146,6 +146,13 @@ def tile_packed_linears(model: nn.Module) -> int:
     return added
 
 
+def tiled_only_bytes(model: nn.Module) -> int:
+    """Bytes of the tiled copies that hold the only copy of their values (no qweight left):
+    the weights as a step reads them, next to the parameters."""
+    return sum(p.tiled.nbytes() for m in model.modules() for p in getattr(m, "packed", None) or ()
+               if p.qweight is None and p.tiled is not None)
+
+
 def _release_values(module: nn.Module, index: int, part: Packed) -> None:
     """Drop part ``index``'s stored values: its ``qweight`` and the module's parameter of
     it, named as methods.set_packed names it."""
