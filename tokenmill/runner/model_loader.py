@@ -52,6 +52,9 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
         load_weights(model, checkpoint_tensors(checkpoint, spec, plan, lazy=tp.is_parallel))
     model.to(dtype=dtype)
     process_weights_after_loading(model)      # strategies repack what they loaded
+    # A GGUF's mapped pages were all touched and the weights are copies: give them back
+    # before the prepacked / tiled copies are made, so those do not stack on top of them.
+    checkpoint.release_pages()
     share_packed_head_with_embedding(model)   # tied: no float copy of a packed head
     set_quant_activations(model, quant_activations)
     set_cpu_kernels(model, cpu_kernels and not triton_kernels)
@@ -60,7 +63,6 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
         if cpu_weight_prepack and not triton_kernels else 0
     model.quantization_method = spec.method   # what runs (a checkpoint's own scheme too)
     model.eval()
-    checkpoint.release_pages()   # a GGUF's mapped pages were all touched; the weights are copies
     return model
 
 

@@ -149,8 +149,9 @@ def tile_packed_linears(model: nn.Module) -> int:
 def tiled_only_bytes(model: nn.Module) -> int:
     """Bytes of the tiled copies that hold the only copy of their values (no qweight left):
     the weights as a step reads them, next to the parameters."""
-    return sum(p.tiled.nbytes() for m in model.modules() for p in getattr(m, "packed", None) or ()
-               if p.qweight is None and p.tiled is not None)
+    parts = [p for m in model.modules() if isinstance(getattr(m, "packed", None), list)
+             for p in m.packed]   # linears' parts (a PackedEmbedding's is its head's)
+    return sum(p.tiled.nbytes() for p in parts if p.qweight is None and p.tiled is not None)
 
 
 def _release_values(module: nn.Module, index: int, part: Packed) -> None:
