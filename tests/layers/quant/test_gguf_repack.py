@@ -44,6 +44,29 @@ def test_repacked_values_equal_the_reference_dequantizer(type_name, shape):
     np.testing.assert_array_equal(dequantize_stored(p).numpy(), reference)
 
 
+@pytest.mark.parametrize("type_name", sorted(TYPE_IDS))
+def test_repacking_by_row_slices_from_a_released_map_gives_the_same_arrays(type_name, tmp_path, monkeypatch):
+    """Slices of a few rows at a time (the last one short), each slice's mapped pages given
+    back after it is copied: the same arrays as one whole repack, and the map still reads
+    the file's bytes afterwards."""
+    from tokenmill.models.loader.gguf_reader import GGUFFile
+    shape = (201, 1024)   # slices of tens of KB: whole pages inside each are given back
+    raw = _random_tensor(type_name, shape, seed=len(type_name))
+    path = tmp_path / "t.bin"
+    pad = 4096 * 3 + 100   # the tensor starts mid-page, as in a GGUF
+    path.write_bytes(b"\0" * pad + raw.tobytes())
+    mapped = GGUFFile.__new__(GGUFFile)
+    mapped._buf = np.memmap(path, dtype=np.uint8, mode="r")
+    view = mapped._buf[pad:pad + raw.nbytes]
+    monkeypatch.setattr(gguf, "REPACK_BYTES", raw.nbytes // 5)
+    got = gguf._repack_by_rows(mapped, view, type_name, shape, release=True)
+    want = gguf.repack(raw, type_name, shape)
+    assert sorted(got) == sorted(want)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
+    np.testing.assert_array_equal(np.asarray(view), raw)
+
+
 def test_packed_kinds_cover_the_table():
     assert set(gguf.PACKED_KIND) == set(TYPE_IDS)
     assert gguf.PACKED_KIND["Q5_0"] == "i8" and gguf.PACKED_KIND["Q4_K"] == "i4"

@@ -80,15 +80,22 @@ TILE_ROWS_PER_PASS = 4096   # rows re-laid out at a time: bounds the temporaries
 #                             a large weight (Gemma3's 262k-row tied head: 168 MB of int8)
 
 
-def tile(p: Packed) -> Tiled:
-    """The tiled copy of a packed int8 / int4 weight (stored column order, like the kernels)."""
+def tile(p: Packed, in_place: bool = False) -> Tiled:
+    """The tiled copy of a packed int8 / int4 weight (stored column order, like the kernels).
+    ``in_place``: the tiles may overwrite ``p.qweight``'s memory (which the caller then
+    drops): sixteen stored rows take exactly the bytes of their tile, so each pass writes
+    back over the rows it has just read, and no second copy of a large weight is ever held."""
     if not applies(p):
         raise ValueError(f"the tiled q8 kernel takes int8 / int4 weights with groups of a multiple "
                          f"of 32 (or 16 for int8), not {p.kind} with group {p.group_size}")
     n, k, g = p.out_features, p.in_features, p.group_size
     nb = k // 32
     kind = kernels.kind_code(kernels.KIND_I4 if p.kind == "i4" else kernels.KIND_I8, p.scales)
-    qw = torch.empty(-(-n // TILE), nb, 256 if p.kind == "i4" else 512, dtype=torch.uint8)
+    width = 256 if p.kind == "i4" else 512
+    if in_place and n % TILE == 0 and p.qweight.is_contiguous():
+        qw = p.qweight.view(torch.uint8).view(n // TILE, nb, width)
+    else:
+        qw = torch.empty(-(-n // TILE), nb, width, dtype=torch.uint8)
     for r0 in range(0, n, TILE_ROWS_PER_PASS):
         r1 = min(n, r0 + TILE_ROWS_PER_PASS)
         qw[r0 // TILE:-(-r1 // TILE)] = _tiled_values(p, p.qweight[r0:r1], r1 - r0, nb)
@@ -140,9 +147,13 @@ def tile_packed_linears(model: nn.Module) -> int:
             continue
         for i, part in enumerate(module.packed):
             if part.tiled is None and applies(part) and kernel_applies(part):
-                part.tiled = tile(part)
+                name = _values_parameter(module, i, part)
+                part.tiled = tile(part, in_place=name is not None)
                 added += part.tiled.nbytes()
-                _release_values(module, i, part)
+                if name is not None:   # drop the values (overwritten if tiled in place)
+                    delattr(module, name)
+                    module.quant_param_names.remove(name)
+                    part.qweight = None
     return added
 
 
@@ -154,12 +165,9 @@ def tiled_only_bytes(model: nn.Module) -> int:
     return sum(p.tiled.nbytes() for p in parts if p.qweight is None and p.tiled is not None)
 
 
-def _release_values(module: nn.Module, index: int, part: Packed) -> None:
-    """Drop part ``index``'s stored values: its ``qweight`` and the module's parameter of
-    it, named as methods.set_packed names it."""
+def _values_parameter(module: nn.Module, index: int, part: Packed) -> Optional[str]:
+    """The name of the module's parameter holding part ``index``'s stored values, as
+    methods.set_packed registers them; None if they are held some other way (left alone)."""
     name = "qweight" if len(module.packed) == 1 else f"qweight_{index}"
-    if getattr(module, name, None) is None or module._parameters[name].data_ptr() != part.qweight.data_ptr():
-        return   # not registered as set_packed does: leave it
-    delattr(module, name)
-    module.quant_param_names.remove(name)
-    part.qweight = None
+    param = module._parameters.get(name)
+    return name if param is not None and param.data_ptr() == part.qweight.data_ptr() else None

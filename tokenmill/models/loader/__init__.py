@@ -66,6 +66,7 @@ class GGUFCheckpoint(Checkpoint):
                 continue
             for name, values in gguf_llama.hf_tensors(self.gguf, self.hf_config, gguf_name):
                 yield name, torch.from_numpy(values)
+            self.gguf.release_tensor(gguf_name)   # its values were copied out
 
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in self.gguf.tensors.values())

@@ -107,6 +107,25 @@ class GGUFFile:
         if mapping is not None and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
             mapping.madvise(mmap.MADV_DONTNEED)
 
+    def release_tensor(self, name: str) -> None:
+        """release_pages for one tensor's bytes, once they are copied out."""
+        self.release_bytes(self.raw(name))
+
+    def release_bytes(self, view: np.ndarray) -> None:
+        """release_pages for the whole pages inside ``view`` (a contiguous view of the map,
+        as ``raw`` returns; anything else is ignored): loading then holds about one piece
+        of the file at a time instead of all of it."""
+        mapping = getattr(self._buf, "_mmap", None)
+        if mapping is None or not hasattr(mapping, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        offset = view.__array_interface__["data"][0] - self._buf.__array_interface__["data"][0]
+        if not (view.flags.c_contiguous and 0 <= offset and offset + view.nbytes <= self._buf.nbytes):
+            return
+        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (offset + view.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def raw(self, name: str) -> np.ndarray:
         """The tensor's stored bytes: a read-only uint8 view into the memmap."""
         info = self.tensors[name]
