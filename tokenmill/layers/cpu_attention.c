@@ -251,7 +251,36 @@ static inline __attribute__((always_inline)) void attend_heads_as(
     softmax_rows(scores, Hq, n, stats, stats + Hq);
     memset(o, 0, sizeof(float) * (size_t)(Hq * D));
     slot_walk values = walk_from(first, n, bs);
-    for (j = 0; j < n; j++) {
+    /* four keys at a time: each head's output chunk is loaded and stored once per four
+     * fused multiply-adds, applied in key order (the same sums as one key at a time) */
+    for (j = 0; j + 4 <= n; j += 4) {
+        const void *rows[4];
+        int64_t slots[4];
+        for (int r = 0; r < 4; r++) {
+            rows[r] = walk_next(&values, v_cache, table, bs, row_len, dt);
+            slots[r] = dt == KV_I8 ? ((const char *)rows[r] - (const char *)v_cache) / row_len : 0;
+        }
+        for (int64_t h = 0; h < Hq; h++) {
+            const int64_t off = (h / group) * D;
+            float w[4];
+            for (int r = 0; r < 4; r++) {
+                const float p = scores[h * n + j + r];
+                w[r] = dt == KV_I8 ? p * v_scale[slots[r] * Hkv + h / group] : p;
+            }
+            const __m256 w0 = _mm256_set1_ps(w[0]), w1 = _mm256_set1_ps(w[1]);
+            const __m256 w2 = _mm256_set1_ps(w[2]), w3 = _mm256_set1_ps(w[3]);
+            float *oh = o + h * D;
+            for (int64_t d = 0; d < D; d += 8) {
+                __m256 acc = _mm256_loadu_ps(oh + d);
+                acc = _mm256_fmadd_ps(w0, kv_load8(rows[0], off + d, dt), acc);
+                acc = _mm256_fmadd_ps(w1, kv_load8(rows[1], off + d, dt), acc);
+                acc = _mm256_fmadd_ps(w2, kv_load8(rows[2], off + d, dt), acc);
+                acc = _mm256_fmadd_ps(w3, kv_load8(rows[3], off + d, dt), acc);
+                _mm256_storeu_ps(oh + d, acc);
+            }
+        }
+    }
+    for (; j < n; j++) {
         const void *row = walk_next(&values, v_cache, table, bs, row_len, dt);
         const int64_t slot = dt == KV_I8 ? ((const char *)row - (const char *)v_cache) / row_len : 0;
         for (int64_t h = 0; h < Hq; h++) {
