@@ -62,6 +62,20 @@ def measure_bandwidth_gbps(num_bytes: int = 256 * 1024**2, repeats: int = 5,
     return median_of(once, repeats)[0]
 
 
+def measure_read_bandwidth_gbps(num_bytes: int = 256 * 1024**2, repeats: int = 9) -> float:
+    """CPU memory read bandwidth, what a decode step's weight and KV reads are bound by: the
+    fastest of ``repeats`` sums over a buffer far larger than the caches (slower runs are
+    other work on the box; this memory's speed also drifts between runs, so floors should
+    take the faster of a measurement before and one after)."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+
+    def once() -> float:
+        t = time.perf_counter()
+        src.sum()
+        return num_bytes / (time.perf_counter() - t) / 1e9
+    return max(once() for _ in range(repeats))
+
+
 def measure_gemm_gflops(n: int = 1024, repeats: int = 5) -> float:
     a, b = torch.randn(n, n), torch.randn(n, n)
 

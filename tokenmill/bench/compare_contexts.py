@@ -5,7 +5,8 @@ as the longest asked for), so the main rows keep their KV pool and peak RSS, and
 reports its own. For every context C: a random-token prompt of C tokens, run --repeats times
 (medians): prefill tok/s = C / time to the first token, decode tok/s = the tokens after the
 first over the time after it. tokenmill rows also get their floor at that context: weights
-plus the K/V bytes a step reads (C + half the new tokens), over the measured bandwidth.
+plus the K/V bytes a step reads (C + half the new tokens), over the measured read bandwidth
+(the faster of a reading before and after the rows).
 """
 from __future__ import annotations
 
