@@ -5,6 +5,7 @@ bounds, the fp8 bit-trick decode, cache writes, and attention over a quantized c
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import pytest
@@ -192,3 +193,25 @@ def test_attention_over_quantized_cache(case, dtype):
         else:
             assert torch.allclose(out, oracle, atol=1e-5), (out - oracle).abs().max()
         assert (out - fp32).abs().max() < TOL_VS_FP32[dtype]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's VmRSS")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int8,
+                                   torch.float8_e4m3fn])
+def test_cpu_cache_pool_is_zero_and_resident_only_where_written(dtype):
+    """A pool of 64-256 MB adds almost nothing to RSS until written; it reads as zeros, takes
+    writes, and its pages come and go with the tensors."""
+    before = _rss_mb()
+    caches = allocate_kv_caches(2, 256, 16, 8, 512, dtype, torch.device("cpu"))   # 64-256 MB
+    assert _rss_mb() - before < 16
+    k = caches[0][0].values if isinstance(caches[0][0], QuantizedKV) else caches[0][0]
+    assert k.shape == (256, 16, 8, 512) and k.dtype == dtype and k.is_contiguous()
+    assert not k[::97].float().any()                      # zeros, as torch.zeros
+    k[3].fill_(1)                                         # writes land (one block resident)
+    assert k[3].float().eq(1).all() and not k[2].float().any()
+    del caches, k

@@ -7,7 +7,8 @@ from typing import Optional
 
 import torch
 
-from tokenmill.layers.attention.kv_quant import QuantizedKV, is_quantized_kv_dtype, slot_bytes
+from tokenmill.layers.attention.kv_quant import (QuantizedKV, cache_zeros, is_quantized_kv_dtype,
+                                                  slot_bytes)
 
 # Default pool on CPU when neither num_kv_blocks nor kv_cache_memory is given.
 DEFAULT_CPU_KV_BYTES = 2 * 1024**3
@@ -70,5 +71,5 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     if is_quantized_kv_dtype(dtype):
         return [(QuantizedKV.zeros(shape, dtype, device), QuantizedKV.zeros(shape, dtype, device))
                 for _ in range(num_layers)]
-    return [(torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+    return [(cache_zeros(shape, dtype, device), cache_zeros(shape, dtype, device))
+            for _ in range(num_layers)]

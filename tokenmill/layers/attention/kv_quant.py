@@ -15,6 +15,8 @@ float32 C kernel declines it on dtype. Writes go through ``write_kv`` in base.py
 """
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +72,19 @@ def _fp8_to_float_over_256(values: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float16).float()
 
 
+def cache_zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zero-filled KV cache tensor. On CPU from an anonymous memory map, whose pages the
+    kernel hands out zeroed on first write: the pool costs resident memory only as blocks
+    are used (a default 2 GB pool for a short chat is not 2 GB of RSS), and reading a slot
+    never written gives zeros, as torch.zeros would."""
+    device = torch.device(device)
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, nbytes)   # unmapped with the last tensor viewing it
+    return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
 @dataclass
 class QuantizedKV:
     """One layer's K (or V) cache, quantized.
@@ -85,8 +100,8 @@ class QuantizedKV:
     def zeros(shape: tuple, dtype: torch.dtype, device) -> "QuantizedKV":
         if not is_quantized_kv_dtype(dtype):
             raise ValueError(f"not a quantized KV dtype: {dtype}")
-        return QuantizedKV(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape[:-1], dtype=_SCALE_DTYPE, device=device))
+        return QuantizedKV(cache_zeros(shape, dtype, device),
+                           cache_zeros(shape[:-1], _SCALE_DTYPE, device))
 
     @property
     def shape(self) -> torch.Size:
