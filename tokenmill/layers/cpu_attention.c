@@ -33,6 +33,23 @@ static inline __m128 dot4_scaled(const float *q, const void *const rows[4], int6
     return _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale));
 }
 
+/* o += w[0] rows[0][off:] + .. + w[3] rows[3][off:] over D values (D % 8 == 0), one
+ * multiply-add at a time in row order: the same sums as four single-row updates, with o
+ * loaded and stored once instead of four times. */
+static inline void add4_scaled(float *o, const float w[4], const void *const rows[4],
+                               int64_t off, int64_t D, int dt) {
+    const __m256 w0 = _mm256_set1_ps(w[0]), w1 = _mm256_set1_ps(w[1]);
+    const __m256 w2 = _mm256_set1_ps(w[2]), w3 = _mm256_set1_ps(w[3]);
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 acc = _mm256_loadu_ps(o + d);
+        acc = _mm256_fmadd_ps(w0, kv_load8(rows[0], off + d, dt), acc);
+        acc = _mm256_fmadd_ps(w1, kv_load8(rows[1], off + d, dt), acc);
+        acc = _mm256_fmadd_ps(w2, kv_load8(rows[2], off + d, dt), acc);
+        acc = _mm256_fmadd_ps(w3, kv_load8(rows[3], off + d, dt), acc);
+        _mm256_storeu_ps(o + d, acc);
+    }
+}
+
 /* Scores of G query heads (sharing one KV head) against n keys, float cache (f32 / f16 /
  * bf16: dt), D % 16 == 0. Each key row is loaded once for all G heads; four keys are
  * reduced together. */
@@ -251,8 +268,7 @@ static inline __attribute__((always_inline)) void attend_heads_as(
     softmax_rows(scores, Hq, n, stats, stats + Hq);
     memset(o, 0, sizeof(float) * (size_t)(Hq * D));
     slot_walk values = walk_from(first, n, bs);
-    /* four keys at a time: each head's output chunk is loaded and stored once per four
-     * fused multiply-adds, applied in key order (the same sums as one key at a time) */
+    /* four keys at a time (add4_scaled), then the rest one by one */
     for (j = 0; j + 4 <= n; j += 4) {
         const void *rows[4];
         int64_t slots[4];
@@ -267,17 +283,7 @@ static inline __attribute__((always_inline)) void attend_heads_as(
                 const float p = scores[h * n + j + r];
                 w[r] = dt == KV_I8 ? p * v_scale[slots[r] * Hkv + h / group] : p;
             }
-            const __m256 w0 = _mm256_set1_ps(w[0]), w1 = _mm256_set1_ps(w[1]);
-            const __m256 w2 = _mm256_set1_ps(w[2]), w3 = _mm256_set1_ps(w[3]);
-            float *oh = o + h * D;
-            for (int64_t d = 0; d < D; d += 8) {
-                __m256 acc = _mm256_loadu_ps(oh + d);
-                acc = _mm256_fmadd_ps(w0, kv_load8(rows[0], off + d, dt), acc);
-                acc = _mm256_fmadd_ps(w1, kv_load8(rows[1], off + d, dt), acc);
-                acc = _mm256_fmadd_ps(w2, kv_load8(rows[2], off + d, dt), acc);
-                acc = _mm256_fmadd_ps(w3, kv_load8(rows[3], off + d, dt), acc);
-                _mm256_storeu_ps(oh + d, acc);
-            }
+            add4_scaled(o + h * D, w, rows, off, D, dt);
         }
     }
     for (; j < n; j++) {
