@@ -60,7 +60,7 @@ class CpuAttention(AttentionBackend):
                 out[s:e] = _prefill_one(
                     query[s:e], key[s:e], value[s:e], k_cache, v_cache,
                     meta.block_tables[b], meta.seq_lens_list[b], scale, sliding_window,
-                    meta.plan_cache, b,
+                    meta.plan_cache,
                 ).to(out.dtype)
         return out
 
@@ -205,8 +205,8 @@ def _prefill_windowed(
         q_first = ctx + s                                            # absolute positions
         lo = max(k_first, q_first - window + 1) - k_first            # key rows of this tile
         hi = ctx + e - k_first
-        mask = _band_mask(q_first - (k_first + lo), e - s, hi - lo, window, q.device,
-                          plan_cache)
+        mask = _cached_mask(q_first - (k_first + lo), e - s, hi - lo, window, q.device,
+                            plan_cache)
         o = F.scaled_dot_product_attention(
             qt[:, :, s:e], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask, scale=scale,
             enable_gqa=True)
@@ -227,11 +227,12 @@ def _window_keys(key, value, k_cache, v_cache, block_table, seq_len: int, first:
     return k[:, :, :end], v[:, :, :end], b0 * block_size
 
 
-def _band_mask(offset: int, num_queries: int, num_keys: int, window: int, device,
-               plan_cache: Optional[dict]) -> torch.Tensor:    # [num_queries, num_keys] bool
-    """Query i (at key row offset + i) may attend key row j when offset + i - window < j <=
-    offset + i. The same few shapes recur in every tile and layer of a step: cached."""
-    cache_key = ("band", offset, num_queries, num_keys, window)
+def _cached_mask(offset: int, num_queries: int, num_keys: int, window: Optional[int], device,
+                 plan_cache: Optional[dict]) -> torch.Tensor:  # [num_queries, num_keys] bool
+    """Query i (at key row offset + i) may attend key row j when j <= offset + i (and
+    offset + i - window < j with a window). The same few shapes recur in every tile and
+    layer of a step: cached in the step's plan_cache."""
+    cache_key = ("mask", offset, num_queries, num_keys, window)
     mask = plan_cache.get(cache_key) if plan_cache is not None else None
     if mask is None:
         q_pos = torch.arange(offset, offset + num_queries, device=device)
@@ -306,37 +307,22 @@ def _prefill_one(
     scale: float,
     sliding_window: Optional[int],
     plan_cache: Optional[dict] = None,   # per-step cache shared by the layers
-    req_index: int = 0,
 ) -> torch.Tensor:              # [q_len, num_heads, head_dim] fp32
     q_len = q.shape[0]
     ctx = seq_len - q_len
-    if sliding_window is not None and seq_len <= sliding_window:
-        sliding_window = None      # every key is inside the window
-    if sliding_window is not None:
+    if sliding_window is not None and seq_len > sliding_window:
         return _prefill_windowed(q, key, value, k_cache, v_cache, block_table, seq_len, scale,
                                  sliding_window, plan_cache)
-    if ctx == 0:
-        # Nothing cached before this chunk: the fresh K/V are the whole context.
-        k, v = key.float().transpose(0, 1), value.float().transpose(0, 1)  # [Hkv, S, D]
-    else:
-        nb = -(-seq_len // k_cache.shape[1])
-        k, v = _gather_blocks(k_cache, v_cache, block_table[None, :nb])
-        k, v = k[0, :, :seq_len], v[0, :, :seq_len]
+    # no window, or one no shorter than the sequence: every key of the context is visible
+    k, v, _ = _window_keys(key, value, k_cache, v_cache, block_table, seq_len, 0)  # [1, Hkv, S, D]
     # 4-D inputs on purpose: on CPU, 3-D SDPA falls back to the unfused math kernel (~4x
     # slower); 4-D reaches the flash kernel, which also handles GQA without copying K/V.
     qt = q.float().transpose(0, 1)[None]                                 # [1, H, q_len, D]
-    k, v = k[None], v[None]                                              # [1, Hkv, S, D]
-    if ctx == 0 and sliding_window is None:
+    if ctx == 0:
         o = F.scaled_dot_product_attention(
             qt, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        key = ("prefill_mask", req_index, sliding_window)
-        mask = plan_cache.get(key) if plan_cache is not None else None
-        if mask is None:   # the same in every layer of this step
-            q_pos = torch.arange(ctx, seq_len, device=q.device)
-            mask = _mask(q_pos, seq_len, sliding_window)                 # [q_len, S]
-            if plan_cache is not None:
-                plan_cache[key] = mask
+        mask = _cached_mask(ctx, q_len, seq_len, None, q.device, plan_cache)   # [q_len, S]
         o = F.scaled_dot_product_attention(
             qt, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)

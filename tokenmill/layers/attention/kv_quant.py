@@ -78,7 +78,7 @@ def cache_zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
     are used (a default 2 GB pool for a short chat is not 2 GB of RSS), and reading a slot
     never written gives zeros, as torch.zeros would."""
     device = torch.device(device)
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
     pages = mmap.mmap(-1, nbytes)   # unmapped with the last tensor viewing it
