@@ -125,12 +125,12 @@ def test_exp_extremes_through_silu():
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window", [None, 5, 100])   # 100: one-long / two-long rows split their window
 @pytest.mark.parametrize("d", [64, 48])   # 48: not a multiple of 32, the generic loops
 @pytest.mark.parametrize("requests", ["few", "many", "one-long-2", "one-long-3", "two-long-2"])
 def test_paged_attention_matches_reference(window, d, requests, kv_dtype):
     """many: GQA heads grouped per task; one-long-N / two-long-N: requests whose keys are
-    split across N threads (without a window), each part merged by max rescaling. Half-precision
+    split across N threads (their window's keys, if long enough), each part merged by max rescaling. Half-precision
     caches are widened in registers: same numbers as the reference reading them as fp32."""
     g = torch.Generator().manual_seed(3)
     hq, hkv, bs, nblocks = 6, 2, 4, 120
@@ -236,7 +236,7 @@ def test_rmsnorm_module_takes_the_fused_path(monkeypatch):
     assert calls
 
 
-@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("window", [None, 6, 70])
 def test_paged_attention_reads_int8_cache_like_its_dequantized_values(window):
     from tokenmill.layers.attention.kv_quant import QuantizedKV
     g = torch.Generator().manual_seed(4)
@@ -249,7 +249,7 @@ def test_paged_attention_reads_int8_cache_like_its_dequantized_values(window):
     all_blocks = torch.arange(nblocks)
     k_f, v_f = k_q.index_select(0, all_blocks), v_q.index_select(0, all_blocks)   # dequantized
     q_lens, seq_lens, tables = [1, 4], [13, 30], [[5, 1, 7, 2], list(range(10, 18))]
-    if window is None:   # one request: its keys split across the threads
+    if window != 6:   # one request: its keys (the last 70 with the window) split across the threads
         q_lens, seq_lens, tables = [2], [101], [list(range(30))[::-1][:26]]
     meta = AttentionMetadata.build(q_lens, seq_lens, tables, bs, "cpu")
     q = torch.randn(sum(q_lens), hq, d, generator=g)

@@ -416,18 +416,22 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
     /* tasks the batch offers without a split: one per request for whole-row reads (D % 32
      * == 0: attend_split reads every head at once), else one per request and KV head */
     const int64_t tasks = D % 32 == 0 ? B : B * Hkv;
-    if (tasks < 2 * nthreads && nthreads > 1 && nthreads <= 64 && window <= 0) {
-        /* few requests: split each row's keys across the threads (long enough rows) */
+    if (tasks < 2 * nthreads && nthreads > 1 && nthreads <= 64) {
+        /* few requests: split each row's keys (the window's, if any) across the threads
+         * (long enough rows) */
         int split_all = 1;
-        for (int64_t b = 0; b < B; b++)
-            if (seq_len[b] - q_len[b] + 1 < ATT_SPLIT_MIN * nthreads) split_all = 0;
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t keys = seq_len[b] - q_len[b] + 1;
+            if ((window > 0 && window < keys ? window : keys) < ATT_SPLIT_MIN * nthreads) split_all = 0;
+        }
         if (split_all) {
             for (int64_t b = 0; b < B && !failed; b++)
                 for (int64_t i = 0; i < q_len[b] && !failed; i++) {
                     const int64_t row = q_start[b] + i, p = seq_len[b] - q_len[b] + i;
+                    const int64_t first = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
                     failed = attend_split(q + row * q_stride, Hq, D, k_cache, v_cache, k_scale,
-                                          v_scale, dt, block_tables + b * bt_stride, bs, Hkv, 0,
-                                          p + 1, scale, out + row * Hq * D, nthreads);
+                                          v_scale, dt, block_tables + b * bt_stride, bs, Hkv,
+                                          first, p - first + 1, scale, out + row * Hq * D, nthreads);
                 }
             return failed;
         }
