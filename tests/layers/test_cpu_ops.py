@@ -317,3 +317,27 @@ def test_unquantized_linear_layer_uses_the_kernel_for_decode_rows(monkeypatch):
     assert calls
     layer(torch.randn(cpu_ops.LINEAR_MAX_ROWS + 1, 32))   # prefill-sized: BLAS, not the kernel
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("v", [1, 7, 8, 13, 4096, 262147])
+def test_argmax_rows_answers_as_torch_argmax(v):
+    """First maximum on ties, the first NaN where a row has one, -inf-only rows, signed zeros,
+    and a tail past the last full vector."""
+    g = torch.Generator().manual_seed(v)
+    x = torch.randn(9, v, generator=g)
+    x[1] = x[1].round()                                   # many ties
+    x[2] = float("-inf")
+    x[3, v // 2] = float("nan")
+    x[3, -1] = float("nan")
+    x[4] = 0.0
+    x[4, v // 3] = -0.0
+    x[5, -1] = 100.0                                      # the maximum in the tail
+    x[6, :] = x[6, 0]                                      # every value equal
+    x[7, v // 2:] = float("inf")
+    if v > 1:
+        x[8, 1] = float("nan")
+        x[8, 0] = 1e30
+    got = cpu_ops.argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert torch.equal(cpu_ops.argmax_rows(x[:1]), x[:1].argmax(dim=-1))

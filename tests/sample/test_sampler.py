@@ -218,3 +218,26 @@ def test_seeded_uniform_draws_are_roughly_uniform():
     stat, dof = chi_square(counts, torch.full((vocab,), 1 / vocab, dtype=torch.float64), num)
     assert stat < CHI2_CRIT_0001[dof]
     assert math.isfinite(stat)
+
+
+def test_the_argmax_it_is_given_picks_every_token():
+    """Greedy rows and the random rows' race both go through the Sampler's argmax: the C
+    kernel the runner passes on CPU gives the same tokens as torch's, seeded rows included."""
+    from tokenmill.layers import cpu_ops
+    if not cpu_ops.available():
+        pytest.skip("the CPU kernels do not run here")
+    rng, vocab = random.Random(7), 3000
+    params = [random_params(rng, vocab) for _ in range(10)]
+    calls = []
+
+    def counted(x):
+        calls.append(x.shape)
+        return cpu_ops.argmax_rows(x)
+    logits = torch.randn(10, vocab, generator=torch.Generator().manual_seed(7)) * 3
+
+    def sample(argmax):
+        rows = make_rows(params, vocab, seeds=list(range(10)), rng=random.Random(1))
+        meta = build_sampling_metadata(rows, vocab, CPU)
+        return Sampler(argmax)(logits, meta).sampled_token_ids
+    assert torch.equal(sample(counted), sample(Sampler().argmax))
+    assert len(calls) == 2   # the random rows' race, then every row's argmax

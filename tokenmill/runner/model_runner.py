@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from tokenmill.layers import cpu_ops
 from tokenmill.layers.attention import get_attention_backend
 from tokenmill.runner import fused_stack
 from tokenmill.outputs import Logprob, ModelRunnerOutput
@@ -17,7 +18,7 @@ from tokenmill.runner.pooler import pool_rows
 from tokenmill.sample.grammar_mask import bitmask_rows
 from tokenmill.sample.metadata import RowSamplingState, build_sampling_metadata, make_request_generator
 from tokenmill.sample.rejection import RejectionSampler
-from tokenmill.sample.sampler import Sampler, compute_logprobs
+from tokenmill.sample.sampler import Sampler, compute_logprobs, torch_argmax
 from tokenmill.sched.output import SchedulerOutput
 from tokenmill.spec.draft_input import AuxCapture, StepFeatures
 
@@ -69,11 +70,13 @@ class ModelRunner:
             from tokenmill.runner.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(model, self.kv_caches, self.backend, max_num_seqs,
                                        max_model_len, block_size, device, capture=True)
-        self.sampler = Sampler()
+        # greedy tokens (and the sampling race's winners) through the C argmax on CPU
+        argmax = cpu_ops.argmax_rows if cpu_kernels and device.type == "cpu" else torch_argmax
+        self.sampler = Sampler(argmax)
         self.shared_generator = torch.Generator(device=device)
         self.shared_generator.manual_seed(seed)
         self.states: dict[str, RunnerRequestState] = {}
-        self.rejection_sampler = RejectionSampler()
+        self.rejection_sampler = RejectionSampler(argmax)
         self.spec = None   # tokenmill.spec.decoder.SpecDecoder, attached by the engine
         self.faults = faults   # test-only fault injection (tokenmill.runner.faults)
 

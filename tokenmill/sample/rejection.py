@@ -36,7 +36,7 @@ import torch
 from tokenmill.sample.logprobs import LogprobsTensors, compute_logprobs
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.penalties import apply_logits_processors
-from tokenmill.sample.sampler import Sampler, filtered_probs, sample_from_probs
+from tokenmill.sample.sampler import Argmax, Sampler, filtered_probs, sample_from_probs, torch_argmax
 
 __all__ = ["RejectionOutput", "RejectionSampler", "accepted_prefix_lengths", "emitted_tokens"]
 
@@ -87,8 +87,8 @@ def emitted_tokens(final: list[int], drafts: list[list[int]], num_accepted: list
 
 
 class RejectionSampler:
-    def __init__(self) -> None:
-        self.sampler = Sampler()
+    def __init__(self, argmax: Argmax = torch_argmax) -> None:
+        self.sampler = Sampler(argmax)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, draft_token_ids: list[list[int]],
                  draft_probs: Optional[torch.Tensor] = None) -> RejectionOutput:
@@ -131,7 +131,7 @@ class RejectionSampler:
         residual = (p - q).clamp_min_(0.0)
         empty = residual.sum(dim=-1, keepdim=True) <= 0    # p == q: x was accepted surely
         residual = torch.where(empty, p, residual)
-        final = sample_from_probs(residual, _all_random(meta, p.device))              # [N]
+        final = sample_from_probs(residual, _all_random(meta, p.device), self.sampler.argmax)   # [N]
         uniform = _uniforms(meta, p.shape[0], p.device)                      # [N]
         p_x = p[rows, drafts]
         q_x = q[rows, drafts]

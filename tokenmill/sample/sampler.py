@@ -11,7 +11,7 @@ makes a seeded request reproducible whatever batch it is in or row it sits at.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -20,7 +20,8 @@ from tokenmill.sample.logprobs import LogprobsTensors, compute_logprobs
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.penalties import apply_logits_processors
 
-__all__ = ["LogprobsTensors", "SamplerOutput", "Sampler", "compute_logprobs", "filtered_probs"]
+__all__ = ["Argmax", "LogprobsTensors", "SamplerOutput", "Sampler", "compute_logprobs",
+           "filtered_probs", "torch_argmax"]
 
 
 @dataclass
@@ -29,15 +30,26 @@ class SamplerOutput:
     logprobs: Optional[LogprobsTensors]  # only when some row asked for logprobs (K = max over rows)
 
 
+Argmax = Callable[[torch.Tensor], torch.Tensor]   # [R, V] -> int64 [R], torch.argmax's answer
+
+
+def torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
 class Sampler:
+    def __init__(self, argmax: Argmax = torch_argmax) -> None:
+        # the runner passes a faster exact one where it has one (the CPU kernels')
+        self.argmax = argmax
+
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # logits [B, V] float32, raw model output; left untouched (logprobs read it).
         logits = logits.float()
         processed = apply_logits_processors(logits, meta)
         if meta.all_greedy:
-            sampled = processed.argmax(dim=-1)
+            sampled = self.argmax(processed)
         else:
-            sampled = _sample_mixed(processed, meta)
+            sampled = _sample_mixed(processed, meta, self.argmax)
         logprobs = None
         if meta.max_num_logprobs is not None:
             logprobs = compute_logprobs(logits, sampled, meta.max_num_logprobs)
@@ -57,24 +69,25 @@ def filtered_probs(random_logits: torch.Tensor, meta: SamplingMetadata) -> torch
     return scaled.softmax(dim=-1)
 
 
-def _sample_mixed(processed: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def _sample_mixed(processed: torch.Tensor, meta: SamplingMetadata, argmax: Argmax) -> torch.Tensor:
     random_logits = processed if meta.all_random else processed[meta.random_rows]
-    random_tokens = sample_from_probs(filtered_probs(random_logits, meta), meta)
+    random_tokens = sample_from_probs(filtered_probs(random_logits, meta), meta, argmax)
     if meta.all_random:
         return random_tokens
-    sampled = processed.argmax(dim=-1)  # greedy rows; random rows are overwritten next
+    sampled = argmax(processed)  # greedy rows; random rows are overwritten next
     sampled[meta.random_rows] = random_tokens
     return sampled
 
 
-def sample_from_probs(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def sample_from_probs(probs: torch.Tensor, meta: SamplingMetadata,
+                      argmax: Argmax = torch_argmax) -> torch.Tensor:
     """One token per row of probs [R, V], using each row's generator as described in meta."""
     noise = _exponential_noise(meta, probs.shape, probs.device)
     # Exp(1) can be exactly 0 (u == 0); the clamp keeps p / q finite-or-inf but never NaN.
     scores = probs / noise.clamp_min_(torch.finfo(torch.float32).tiny)
     # A filtered token (p == 0) must never win, not even when every score underflows.
     scores.masked_fill_(probs <= 0, -1.0)
-    return scores.argmax(dim=-1)
+    return argmax(scores)
 
 
 def _exponential_noise(meta: SamplingMetadata, shape: torch.Size, device: torch.device) -> torch.Tensor:
