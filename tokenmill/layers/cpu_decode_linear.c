@@ -2,15 +2,16 @@
  * linear layer from its descriptor, and the write of a token's K / V into the paged cache.
  *
  * A linear is described by DEC_PARTS parts of DEC_FIELDS int64 each ({kind, weight, scale,
- * mins, group, n, perm, tiled qw, tiled sc, tiled mn}; kind -1 = float32 weight [n, K],
- * 0/1/2 = int8/int4/fp8 packed for tm_qmm (| KIND_HALF: float16 scales), -2 = no part;
- * perm: 0 or an int64 [K] input-column order, GPTQ act-order; tiled: 0 or the part's copy
- * for tm_qgemm_q8, which q8 steps take, as matmul.py does): the parts' outputs are
- * concatenated, as the Python linear methods do (runner/fused_plan.py builds them). */
+ * mins, group, n, perm, tiled qw, tiled sc, tiled mn, tiled kind}; kind -1 = float32 weight
+ * [n, K], 0/1/2 = int8/int4/fp8 packed for tm_qmm (| KIND_HALF: float16 scales), -2 = no
+ * part; perm: 0 or an int64 [K] input-column order, GPTQ act-order; tiled: 0 or the part's
+ * copy for tm_qgemm_q8 (its own kind: 5-bit tiles hold int8 values), which q8 steps take,
+ * as matmul.py does): the parts' outputs are concatenated, as the Python linear methods do
+ * (runner/fused_plan.py builds them). */
 #include <float.h>
 
 #define DEC_PARTS 4
-#define DEC_FIELDS 10
+#define DEC_FIELDS 11
 #define DEC_TINY FLT_MIN   /* kv_quant._TINY: scale floor of an all-zero row */
 
 /* One part: dst[T, n] = in[T, K] W^T through the kernel its module would call. */
@@ -22,7 +23,7 @@ static int dec_part(const int64_t *d, const float *in, int64_t T, int64_t K, con
         return 0;
     }
     if (q8 && d[7])   /* i8 / i4 with a tiled copy (scales of the part's dtype) */
-        return tm_qgemm_q8(in, T, K, (int)kind, (const uint8_t *)d[7], (const float *)d[8],
+        return tm_qgemm_q8(in, T, K, (int)d[10], (const uint8_t *)d[7], (const float *)d[8],
                            (const float *)d[9], d[4], n, dst, nthreads);
     if (q8 && ((kind & 7) == 0 || (kind & 7) == 1))   /* i8 / i4, maybe | KIND_HALF */
         return tm_qmm_q8(in, T, K, (const uint8_t *)d[1], (const float *)d[2],

@@ -26,7 +26,7 @@ from tokenmill.models.gemma3 import Gemma3Attention, Gemma3DecoderLayer
 from tokenmill.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from tokenmill.models.mixtral import MixtralDecoderLayer
 
-DEC_PARTS, DEC_FIELDS = 4, 10   # cpu_decode_linear.c: parts per linear, int64 fields per part
+DEC_PARTS, DEC_FIELDS = 4, 11   # cpu_decode_linear.c: parts per linear, int64 fields per part
 _NO_PART = [-2] + [0] * (DEC_FIELDS - 1)
 # cpu_decode.c's LD_* enum, in order (tests/models/test_fused_architectures.py compares them)
 LAYER_FIELDS = ("linears", "norm_in", "norm_post_attn", "norm_pre_ffn", "norm_post_ffn",
@@ -135,11 +135,11 @@ def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
 
 
 def _tiled_fields(p) -> list[int]:
-    """The tiled copy's addresses (qw, sc, mn or 0) for q8 steps, zeros without one."""
+    """The tiled copy's addresses (qw, sc, mn or 0) and kind for q8 steps, zeros without one."""
     t = p.tiled
     if t is None:
-        return [0, 0, 0]
-    return [t.qw.data_ptr(), t.sc.data_ptr(), t.mn.data_ptr() if t.mn is not None else 0]
+        return [0, 0, 0, 0]
+    return [t.qw.data_ptr(), t.sc.data_ptr(), t.mn.data_ptr() if t.mn is not None else 0, t.kind]
 
 
 def stack_plan(model: nn.Module) -> Optional["StackPlan"]:

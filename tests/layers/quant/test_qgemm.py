@@ -26,6 +26,11 @@ def _packed(kind: str, n: int, k: int, seed: int) -> F.Packed:
         scales = torch.rand(n, k // group, generator=g) + 0.1
         mins = torch.randn(n, k // group, generator=g) if kind.startswith("i8m") else None
         return F.Packed("i8", q.qweight, scales.half() if kind == "i8-g32" else scales, mins, group, n, k)
+    if kind in ("i5-g32", "i5m-g32"):   # GGUF Q5_0 (-16..15) / Q5_1, Q5_K (0..31 with mins)
+        mins = torch.randn(n, k // 32, generator=g).half() if kind == "i5m-g32" else None
+        lo = 0 if mins is not None else -16
+        q = torch.randint(lo, lo + 32, (n, k), generator=g, dtype=torch.int8)
+        return F.Packed("i8", q, (torch.rand(n, k // 32, generator=g) + 0.1).half(), mins, 32, n, k)
     group = int(kind.split("-g")[1])
     p = F.quantize_int4(w, group)
     if group == 32:           # GGUF Q4_1: float16 scales and mins
@@ -41,7 +46,8 @@ def test_tile_layout_refuses_other_kinds():
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["i8", "i8-g32", "i8-g16", "i8m-g32", "i4-g32", "i4-g64", "i4-g128"])
+@pytest.mark.parametrize("kind", ["i8", "i8-g32", "i8-g16", "i8m-g32", "i5-g32", "i5m-g32", "i4-g32",
+                                  "i4-g64", "i4-g128"])
 @pytest.mark.parametrize("n,k", [(16, 128), (40, 256), (200, 384), (33, 1536)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 70])
 def test_tiled_kernel_matches_q8_reference(kind, n, k, rows):
@@ -53,7 +59,7 @@ def test_tiled_kernel_matches_q8_reference(kind, n, k, rows):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize("kind", ["i8", "i8-g16", "i8m-g32", "i4-g32", "i4-g64"])
+@pytest.mark.parametrize("kind", ["i8", "i8-g16", "i8m-g32", "i5-g32", "i5m-g32", "i4-g32", "i4-g64"])
 @pytest.mark.parametrize("n", [16, 33, 200])
 def test_tiles_give_back_the_stored_rows(kind, n):
     """The tiled copy can stand in for qweight: any rows (the last, partial tile included, in
@@ -71,13 +77,31 @@ def test_tiles_give_back_the_stored_rows(kind, n):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", ["i5-g32", "i5m-g32"])
+def test_five_bit_tiles_compute_what_eight_bit_tiles_compute(kind):
+    """int8 values of five bits take 5-bit tiles (5/8 of the values' bytes): the same integer
+    block dots and float operations as their 8-bit tiles, so the same bits; one value out of
+    range keeps a weight on 8-bit tiles."""
+    p = _packed(kind, 40, 640, 2)
+    five, eight = qgemm.tile(p), qgemm.tile(p, five_bit=False)
+    assert five.kind & 7 == kernels.KIND_I5 and eight.kind & 7 == kernels.KIND_I8
+    assert five.qw.numel() * 8 == eight.qw.numel() * 5
+    x = torch.randn(11, 640) * 4
+    for rows in (1, 4, 11):
+        assert torch.equal(qgemm.qgemm_q8(x[:rows], five), qgemm.qgemm_q8(x[:rows], eight))
+    wide = p.qweight.clone()
+    wide[3, 17] = 31 if p.mins is None else 32        # one past the range
+    assert qgemm.tile(F.Packed("i8", wide, p.scales, p.mins, 32, 40, 640)).kind & 7 == kernels.KIND_I8
+
+
+@needs_kernel
 def test_tiled_kernel_takes_zero_rows():
     t = qgemm.tile(_packed("i4-g32", 40, 64, 1))
     assert qgemm.qgemm_q8(torch.empty(0, 64), t).shape == (0, 40)
 
 
 @needs_kernel
-@pytest.mark.parametrize("kind", ["i8-g32", "i8-g16", "i8m-g32", "i4-g32"])
+@pytest.mark.parametrize("kind", ["i8-g32", "i8-g16", "i8m-g32", "i5-g32", "i5m-g32", "i4-g32"])
 def test_tiled_kernel_agrees_with_the_streaming_q8_kernel(kind):
     """Same integer block dots and scales: only the float summation order differs, and a row's
     result does not depend on the other rows of the call."""
@@ -164,7 +188,7 @@ def both_builds(tmp_path_factory):
 
 
 @needs_vnni
-@pytest.mark.parametrize("kind", ["i8", "i8-g32", "i8-g16", "i8m-g32", "i4-g32", "i4-g64"])
+@pytest.mark.parametrize("kind", ["i8", "i8-g32", "i8-g16", "i8m-g32", "i5-g32", "i5m-g32", "i4-g32", "i4-g64"])
 def test_both_builds_are_bit_identical(kind, both_builds):
     """The VNNI build's one-instruction dot products sum the same exact integers in the same
     lanes as the AVX2 build's instruction pairs, then run the same float operations: the

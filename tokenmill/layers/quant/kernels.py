@@ -11,6 +11,7 @@ import torch
 from tokenmill.layers import native
 
 KIND_I8, KIND_I4, KIND_F8 = 0, 1, 2
+KIND_I5 = 3      # tiled copies only (qgemm.py): int8 values of five bits (GGUF Q5_0 / Q5_1 / Q5_K)
 KIND_HALF = 8   # flag (i8 / i4): scales and mins are float16
 
 

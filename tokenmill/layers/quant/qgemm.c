@@ -19,6 +19,12 @@
  *   i8: qw[t][b][s][j][4] uint8 = q + 128 of value 4s + byte; the VNNI build takes
  *       128 * (sum of the block's int8 activations) off each block's dot, the AVX2 build
  *       restores q (vpmaddubsw's int16 pairs cannot hold (q + 128) * x)
+ *   i5 (QG_KIND_I5: int8 values of five bits, GGUF Q5_0 / Q5_1 / Q5_K): 320 bytes per block,
+ *       the i4 layout of u's low nibbles (256 bytes), then eight 64-bit masks, one per
+ *       register of those (2p for the low nibbles of step p, 2p + 1 for the high ones):
+ *       bit j * 4 + byte = bit 4 of that value's u. u = q + 16 without mins (q in -16..15;
+ *       both builds take 16 * the block's activation sum off its dot), u = q with them
+ *       (0..31). 5.5 bits a weight with its scale instead of int8's 8.5
  *   sc[t][g][j]: row j's scale of group g; mn[t][g][j] (i4, i8 with mins): its min (w = sc * q + mn), times
  *       the exact float sum of x over the group. float32, or float16 (kind | KIND_HALF)
  *       where the checkpoint's own are (GGUF): converted exactly, half the bytes.
@@ -27,6 +33,15 @@
 #include <immintrin.h>
 
 #define QG_TILE 16   /* weight rows per tile: one per 32-bit lane */
+#define QG_KIND_I5 3  /* tiled-only kind (| KIND_HALF): five-bit values, see above */
+#define QG_I5_BYTES 320   /* bytes per block of a tile: 256 of nibbles, 64 of fifth bits */
+
+/* The 64-bit mask of fifth bits of register r of an i5 tile block (wb: the block). */
+INLINE uint64_t qg_i5_bits(const uint8_t *wb, int r) {
+    uint64_t bits;
+    memcpy(&bits, wb + 256 + 8 * r, sizeof bits);
+    return bits;
+}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define QG_MT 8      /* activation rows per pass over a tile */
@@ -80,8 +95,9 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
                        const int mb, int64_t K, int64_t G, int kind, const uint8_t *qw,
                        const float *sc, const float *mn, int64_t N, int64_t t, float *y) {
     const int64_t nb = K / 32, per_g = G / 32, ngroups = K / G;
-    const int i4 = (kind & 7) == 1;
-    const __m512i low = _mm512_set1_epi8(0x0F);
+    const int i4 = (kind & 7) == 1, i5 = (kind & 7) == QG_KIND_I5;
+    const int offset = i4 ? 0 : i5 ? (mn ? 0 : 16) : 128;   /* u - q: taken off as offset * qsum */
+    const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
     __m512 acc[QG_MT];
     for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < ngroups; g++) {
@@ -89,14 +105,18 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
         for (int64_t b = g * per_g; b < (g + 1) * per_g; b++) {
             __m512i dot[QG_MT];
             for (int m = 0; m < mb; m++)
-                dot[m] = i4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * qsum[m * nb + b]);
+                dot[m] = offset ? _mm512_set1_epi32(-offset * qsum[m * nb + b]) : _mm512_setzero_si512();
             const int8_t *xb = xq + b * 32;
-            if (i4) {
-                const uint8_t *wb = qw + (t * nb + b) * 256;
+            if (i4 || i5) {
+                const uint8_t *wb = qw + (t * nb + b) * (i5 ? QG_I5_BYTES : 256);
                 for (int p = 0; p < 4; p++) {
                     __m512i raw = _mm512_loadu_si512(wb + 64 * p);
                     __m512i w0 = _mm512_and_si512(raw, low);
                     __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+                    if (i5) {
+                        w0 = _mm512_mask_add_epi8(w0, _cvtu64_mask64(qg_i5_bits(wb, 2 * p)), w0, fifth);
+                        w1 = _mm512_mask_add_epi8(w1, _cvtu64_mask64(qg_i5_bits(wb, 2 * p + 1)), w1, fifth);
+                    }
                     for (int m = 0; m < mb; m++) {
                         const int8_t *xm = xb + m * K + 8 * p;
                         dot[m] = _mm512_dpbusd_epi32(dot[m], w0, _mm512_set1_epi32(*(const int32_t *)xm));
@@ -143,6 +163,16 @@ INLINE void qg_i8_steps(const uint8_t *wb, const int8_t *xb, int64_t K, const in
     }
 }
 
+/* Byte b of the result = 0x10 where bit b of bits is set (an i5 register half's fifth bits). */
+INLINE __m256i qg_bits_to_fifth(uint32_t bits) {
+    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
 /* acc[m] -> y[m, n0 .. n0 + 7]; rows of the last tile past N are not stored. */
 INLINE void qg_store8(float *y, int64_t N, int64_t n0, const int mb, const __m256 *acc) {
     const int64_t left = N - n0;
@@ -187,9 +217,9 @@ INLINE void qgemm_tile_g16(const int8_t *xq, const float *dx, const int32_t *qsu
 INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, const int32_t *qsum,
                        const int mb, int64_t K, int64_t G, int kind, const uint8_t *qw,
                        const float *sc, const float *mn, int64_t N, int64_t t, float *y) {
-    (void)qsum;
     const int64_t nb = K / 32, per_g = G / 32, ngroups = K / G;
-    const int i4 = (kind & 7) == 1;
+    const int i4 = (kind & 7) == 1, i5 = (kind & 7) == QG_KIND_I5;
+    const int offset = i5 && !mn ? 16 : 0;   /* i8 rows restore q by the sign trick instead */
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; h++) {   /* rows 8h .. 8h + 7 of the tile */
         __m256 acc[QG_MT];
@@ -198,14 +228,20 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
             const __m256 s_vec = qg_load8(sc, (t * ngroups + g) * QG_TILE + 8 * h, kind);
             for (int64_t b = g * per_g; b < (g + 1) * per_g; b++) {
                 __m256i dot[QG_MT];
-                for (int m = 0; m < mb; m++) dot[m] = _mm256_setzero_si256();
+                for (int m = 0; m < mb; m++)
+                    dot[m] = offset ? _mm256_set1_epi32(-offset * qsum[m * nb + b]) : _mm256_setzero_si256();
                 const int8_t *xb = xq + b * 32;
-                if (i4) {
-                    const uint8_t *wb = qw + (t * nb + b) * 256 + 32 * h;
+                if (i4 || i5) {
+                    const uint8_t *block = qw + (t * nb + b) * (i5 ? QG_I5_BYTES : 256);
+                    const uint8_t *wb = block + 32 * h;
                     for (int p = 0; p < 4; p++) {
                         __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 64 * p));
                         __m256i w0 = _mm256_and_si256(raw, low);
                         __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+                        if (i5) {   /* this half's 32 bits of each mask, as 0x10 bytes */
+                            w0 = _mm256_or_si256(w0, qg_bits_to_fifth((uint32_t)(qg_i5_bits(block, 2 * p) >> (32 * h))));
+                            w1 = _mm256_or_si256(w1, qg_bits_to_fifth((uint32_t)(qg_i5_bits(block, 2 * p + 1) >> (32 * h))));
+                        }
                         for (int m = 0; m < mb; m++) {
                             const int8_t *xm = xb + m * K + 8 * p;
                             __m256i x0 = _mm256_set1_epi32(*(const int32_t *)xm);
@@ -232,13 +268,13 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
 }
 #endif
 
-/* kind 0 = i8, 1 = i4, | KIND_HALF for float16 sc / mn (tiled arrays as above); G a
- * multiple of 32 dividing K, or 16 (i8). Returns nonzero when a buffer could not be
+/* kind 0 = i8, 1 = i4, QG_KIND_I5, | KIND_HALF for float16 sc / mn (tiled arrays as
+ * above); G a multiple of 32 dividing K, or 16 (i8). Returns nonzero when a buffer could not be
  * allocated (y untouched). */
 int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *qw,
                 const float *sc, const float *mn, int64_t G, int64_t N, float *y, int nthreads) {
     const int64_t nb = K / 32, ngroups = K / G, tiles = (N + QG_TILE - 1) / QG_TILE;
-    const int i4 = (kind & 7) == 1, g16 = G == 16;
+    const int i4 = (kind & 7) == 1, i5 = (kind & 7) == QG_KIND_I5, g16 = G == 16;
     const int64_t sum_len = g16 ? 16 : 32, qstride = K / sum_len;   /* qsum entries per row */
     q8_input in;
     if (q8_prepare(x, M, K, G, mn != NULL, &in)) return 1;
@@ -246,7 +282,11 @@ int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *q
     const float *dx = in.dx, *xsum = in.xsum;
     int32_t *qsum = NULL;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    if (!i4) {   /* block (or group of 16) sums of the int8 activations: what q + 128 adds */
+    const int offset_rows = !i4 && !(i5 && mn);   /* i8 (q + 128) and i5 without mins (q + 16) */
+#else
+    const int offset_rows = i5 && !mn;
+#endif
+    if (offset_rows) {   /* block (or group of 16) sums of the int8 activations: what the offset adds */
         qsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * qstride));
         if (!qsum) { q8_free(&in); return 1; }
         for (int64_t i = 0; i < M * qstride; i++) {
@@ -255,7 +295,6 @@ int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *q
             qsum[i] = v;
         }
     }
-#endif
     /* tiles outside, row passes inside: a tile's weights (K/2 or K bytes x 16 rows) stay
      * in L1 while every pass of QG_MT activation rows reads them */
     #pragma omp parallel for schedule(static) num_threads(nthreads)
@@ -271,6 +310,9 @@ int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *q
                                  : qgemm_tile(xm, dm, sm, qm, R, K, G, KIND, qw, sc, mn, N, t, ym))
 #define QG_CALL(R) switch (kind) { case 0: QG_KIND(R, 0); break; case 1: QG_KIND(R, 1); break; \
                                    case KIND_HALF: QG_KIND(R, KIND_HALF); break;            \
+                                   case QG_KIND_I5: QG_KIND(R, QG_KIND_I5); break;          \
+                                   case KIND_HALF | QG_KIND_I5:                             \
+                                       QG_KIND(R, KIND_HALF | QG_KIND_I5); break;           \
                                    default: QG_KIND(R, KIND_HALF | 1); }
 #define QG_CASE(R) case R: QG_CALL(R) break;
                 QG_CASE(1) QG_CASE(2) QG_CASE(3)

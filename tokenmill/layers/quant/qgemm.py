@@ -30,8 +30,8 @@ TILE = 16   # weight rows per tile (QG_TILE)
 @dataclass
 class Tiled:
     """qgemm.c's layout of one packed weight (arrays named as there)."""
-    kind: int                       # kernels.KIND_I8 / KIND_I4, | KIND_HALF for float16 sc / mn
-    qw: torch.Tensor                # uint8 [tiles, K/32, 256 (i4) or 512 (i8: q + 128)]
+    kind: int                       # kernels.KIND_I8 / KIND_I4 / KIND_I5, | KIND_HALF for float16 sc / mn
+    qw: torch.Tensor                # uint8 [tiles, K/32, 256 (i4), 320 (i5) or 512 (i8: q + 128)]
     sc: torch.Tensor                # [tiles, K/G, 16], the packed weight's scale dtype (G: 16 too)
     mn: Optional[torch.Tensor]      # [tiles, K/G, 16] (i4, i8 with mins)
     group_size: int
@@ -47,6 +47,8 @@ class Tiled:
         rows = rows.reshape(-1)
         nb = self.in_features // 32
         tile, r = rows // TILE, rows % TILE
+        if (self.kind & ~kernels.KIND_HALF) == kernels.KIND_I5:
+            return _i5_rows(self.qw, tile, r, nb, self.in_features, _i5_offset(self.mn is not None))
         if (self.kind & ~kernels.KIND_HALF) == kernels.KIND_I4:
             # [t, b, p, r, i] bytes: low nibble value 4 * 2p + i, high nibble 4 * (2p + 1) + i
             b = self.qw.view(-1, nb, 4, TILE, 4)[tile, :, :, r, :]          # [m, nb, p, i]
@@ -80,36 +82,84 @@ TILE_ROWS_PER_PASS = 4096   # rows re-laid out at a time: bounds the temporaries
 #                             a large weight (Gemma3's 262k-row tied head: 168 MB of int8)
 
 
-def tile(p: Packed, in_place: bool = False) -> Tiled:
+def tile(p: Packed, in_place: bool = False, five_bit: bool = True) -> Tiled:
     """The tiled copy of a packed int8 / int4 weight (stored column order, like the kernels).
-    ``in_place``: the tiles may overwrite ``p.qweight``'s memory (which the caller then
-    drops): sixteen stored rows take exactly the bytes of their tile, so each pass writes
-    back over the rows it has just read, and no second copy of a large weight is ever held."""
+    int8 values that fit in five bits (GGUF Q5_0: -16..15; Q5_1 / Q5_K: 0..31 with mins)
+    take the 5-bit tiles unless ``five_bit`` is False: the same products from 5.5 bits a
+    weight instead of 8.5. ``in_place``: the tiles may overwrite ``p.qweight``'s memory (which
+    the caller then drops): sixteen stored rows take exactly the bytes of their 8-bit or 4-bit
+    tile, so each pass writes back over the rows it has just read, and no second copy of a
+    large weight is ever held (5-bit tiles are smaller: they get memory of their own)."""
     if not applies(p):
         raise ValueError(f"the tiled q8 kernel takes int8 / int4 weights with groups of a multiple "
                          f"of 32 (or 16 for int8), not {p.kind} with group {p.group_size}")
     n, k, g = p.out_features, p.in_features, p.group_size
     nb = k // 32
-    kind = kernels.kind_code(kernels.KIND_I4 if p.kind == "i4" else kernels.KIND_I8, p.scales)
-    width = 256 if p.kind == "i4" else 512
-    if in_place and n % TILE == 0 and p.qweight.is_contiguous():
+    i5 = five_bit and _fits_five_bits(p)
+    base = kernels.KIND_I4 if p.kind == "i4" else kernels.KIND_I5 if i5 else kernels.KIND_I8
+    kind = kernels.kind_code(base, p.scales)
+    width = {kernels.KIND_I4: 256, kernels.KIND_I5: 320, kernels.KIND_I8: 512}[base]
+    if in_place and not i5 and n % TILE == 0 and p.qweight.is_contiguous():
         qw = p.qweight.view(torch.uint8).view(n // TILE, nb, width)
     else:
         qw = torch.empty(-(-n // TILE), nb, width, dtype=torch.uint8)
     for r0 in range(0, n, TILE_ROWS_PER_PASS):
         r1 = min(n, r0 + TILE_ROWS_PER_PASS)
-        qw[r0 // TILE:-(-r1 // TILE)] = _tiled_values(p, p.qweight[r0:r1], r1 - r0, nb)
+        rows = p.qweight[r0:r1]
+        qw[r0 // TILE:-(-r1 // TILE)] = (_i5_tiles(rows, r1 - r0, nb, _i5_offset(p.mins is not None))
+                                         if i5 else _tiled_values(p, rows, r1 - r0, nb))
     mn = _by_tile(p.mins.to(p.scales.dtype), n) if p.mins is not None else None   # i4, Q5_1 / Q5_K
     return Tiled(kind, qw, _by_tile(p.scales, n), mn, g, n, k)
+
+
+def _i5_offset(has_mins: bool) -> int:
+    """u - q of a 5-bit tile's values: signed values without mins (Q5_0), unsigned with."""
+    return 0 if has_mins else 16
+
+
+def _fits_five_bits(p: Packed) -> bool:
+    if p.kind != "i8" or p.group_size % 32 != 0 or p.qweight is None:
+        return False
+    q = p.qweight.view(torch.int8)
+    lo = -_i5_offset(p.mins is not None)
+    return bool(q.numel()) and lo <= int(q.min()) and int(q.max()) <= lo + 31
+
+
+def _nibble_steps(u: torch.Tensor, n: int, nb: int) -> torch.Tensor:
+    """Values [n, K] (0..15, or 0..31 for i5) -> [tiles, K/32, p, j, i, lo/hi]: register p's
+    byte (j, i) holds value 4 * 2p + i (its low nibble) and 4 * (2p + 1) + i (its high one)."""
+    steps = _by_tile(u, n).view(-1, nb, 8, 4, TILE).transpose(2, 3)  # [t, b, 4 bytes, 8 steps, 16]
+    return steps.reshape(-1, nb, 4, 4, 2, TILE).permute(0, 1, 3, 5, 2, 4)
+
+
+def _i5_tiles(rows: torch.Tensor, n: int, nb: int, offset: int) -> torch.Tensor:
+    """Stored int8 rows [n, K] of five-bit values -> 5-bit tiles [tiles, K/32, 320]."""
+    u = (rows.view(torch.int8).view(n, nb * 32).to(torch.int16) + offset).to(torch.uint8)
+    steps = _nibble_steps(u, n, nb)
+    nibbles = ((steps[..., 0] & 0x0F) | ((steps[..., 1] & 0x0F) << 4)).reshape(-1, nb, 256)
+    # mask 2p + h of a block: bit j * 4 + i = bit 4 of the value in register p's byte (j, i)
+    fifth = (steps >> 4).permute(0, 1, 2, 5, 3, 4).reshape(-1, nb, 8, 8, 8)   # [t, b, reg, byte, bit]
+    weights = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)
+    masks = (fifth * weights).sum(dim=-1, dtype=torch.uint8).reshape(-1, nb, 64)
+    return torch.cat([nibbles, masks], dim=2)
+
+
+def _i5_rows(qw: torch.Tensor, tile: torch.Tensor, r: torch.Tensor, nb: int, k: int,
+             offset: int) -> torch.Tensor:
+    """``_i5_tiles`` undone for the rows (tile, r): int8 [m, K]."""
+    raw = qw[tile]                                                      # [m, nb, 320]
+    nib = raw[:, :, :256].reshape(-1, nb, 4, TILE, 4)[torch.arange(len(r)), :, :, r, :]   # [m, nb, p, i]
+    low = torch.stack([nib & 0x0F, nib >> 4], dim=3)                    # [m, nb, p, h, i]
+    bits = (raw[:, :, 256:].reshape(-1, nb, 8, 8, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
+    bits = bits.reshape(-1, nb, 4, 2, TILE, 4)[torch.arange(len(r)), :, :, :, r, :]   # [m, nb, p, h, i]
+    u = (low | (bits << 4)).reshape(-1, k).to(torch.int16)
+    return (u - offset).to(torch.int8)
 
 
 def _tiled_values(p: Packed, rows: torch.Tensor, n: int, nb: int) -> torch.Tensor:
     """Stored rows [n, K/2 or K] of a packed weight -> their tiles [tiles, K/32, 256 | 512]."""
     if p.kind == "i4":
-        q = unpack_int4(rows).view(n, nb * 32)
-        steps = _by_tile(q, n).view(-1, nb, 8, 4, TILE).transpose(2, 3)  # [t, b, 4 bytes, 8 steps, 16]
-        # byte (p, j, i): value 4 * 2p + i in the low nibble, value 4 * (2p + 1) + i in the high one
-        steps = steps.reshape(-1, nb, 4, 4, 2, TILE).permute(0, 1, 3, 5, 2, 4)   # [t, b, p, j, i, lo/hi]
+        steps = _nibble_steps(unpack_int4(rows).view(n, nb * 32), n, nb)   # [t, b, p, j, i, lo/hi]
         return (steps[..., 0] | (steps[..., 1] << 4)).reshape(-1, nb, 256)
     q = (rows.view(torch.int8).view(n, nb * 32).to(torch.int16) + 128).to(torch.uint8)
     steps = _by_tile(q, n).view(-1, nb, 8, 4, TILE).permute(0, 1, 2, 4, 3)   # [t, b, s, j, i]
