@@ -17,6 +17,7 @@ from tokenmill.layers.quant.methods import set_quant_activations
 from tokenmill.layers.quant.qgemm import tile_packed_linears
 from tokenmill.models.registry import model_class
 from tokenmill.models.weights import load_weights, randomize_weights
+from tokenmill.utils.heap import release_free_heap
 
 
 def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
@@ -63,6 +64,7 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
         if cpu_weight_prepack and not triton_kernels else 0
     model.quantization_method = spec.method   # what runs (a checkpoint's own scheme too)
     model.eval()
+    release_free_heap()   # the load's freed temporaries still hold heap pages
     return model
 
 

@@ -1,0 +1,39 @@
+"""release_free_heap gives freed heap pages in the middle of the heap back (glibc)."""
+import ctypes
+import ctypes.util
+
+import pytest
+
+from tokenmill.utils.heap import release_free_heap
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+@pytest.mark.skipif(ctypes.util.find_library("c") is None, reason="no C library to load")
+def test_freed_heap_pages_leave_rss():
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not hasattr(libc, "malloc_trim"):
+        pytest.skip("not glibc")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    # freeing a mapped 24 MB block raises glibc's mmap threshold: 1 MB blocks then come
+    # from the heap, as a load's temporaries do
+    big = libc.malloc(24 << 20)
+    libc.memset(big, 1, 24 << 20)
+    libc.free(big)
+    blocks = [libc.malloc(1 << 20) for _ in range(96)]
+    for b in blocks:
+        libc.memset(b, 1, 1 << 20)
+    keep = libc.malloc(1 << 20)   # above them: free() alone cannot shrink the heap's top
+    for b in blocks:
+        libc.free(b)
+    before = _rss_mb()
+    assert release_free_heap()
+    after = _rss_mb()
+    libc.free(keep)
+    assert before - after > 48, f"RSS {before:.0f} -> {after:.0f} MB"
