@@ -3,8 +3,8 @@
 Every packable type becomes groups of 32 values with one float scale (and min) per group,
 with the same dequantized values as the GGUF reference (tests/quantization/test_gguf_repack.py):
 - Q8_0 -> int8 values, the block's fp16 d as scale;
-- Q5_0 -> int8 values q - 16 (-16..15), scale d: 5-bit values cost a byte each, but the
-  integer dot products of the int8 kernels take them as they are;
+- Q5_0 -> int8 values q - 16 (-16..15), scale d: the integer dot products of the int8
+  kernels take them as they are, and the tiled q8 copy keeps them in five bits (qgemm.py);
 - Q4_0 / Q4_1 -> int4: the nibbles are already in our layout, so the bytes are copied and
   the fp16 fields become scale d and min (Q4_0: -8 d; Q4_1: m);
 - Q4_K -> int4 groups of 32 (its sub-blocks): nibbles re-laid out from Q4_K's 64-value
