@@ -215,6 +215,14 @@ def test_cpu_windowed_prefill_tiles_match_reference(window):
                            window=window, seed=window)
 
 
+def test_cpu_prefill_after_context_in_query_tiles():
+    # Chunks after a cached context attend in tiles of PREFILL_QUERY_TILE query rows, each
+    # against the keys up to its last row: one, several and a partial last tile.
+    from tokenmill.layers.attention.cpu import PREFILL_QUERY_TILE as T
+    runs = [(2 * T + 44, 2 * T + 344), (T, T + 9), (T + 1, 3 * T), (30, 700)]
+    check_cpu_vs_reference(runs, num_heads=6, num_kv_heads=2, head_dim=32, block_size=16, seed=3)
+
+
 def test_cpu_long_runs_and_spec_like_runs():
     # Runs straddling the batched/per-request threshold, with and without cached context.
     runs = [(8, 8), (8, 20), (9, 9), (9, 30), (5, 37), (1, 64), (40, 100)]
