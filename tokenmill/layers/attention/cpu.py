@@ -202,14 +202,24 @@ def _prefill_windowed(
     k, v, k_first = _window_keys(key, value, k_cache, v_cache, block_table, seq_len,
                                  max(0, ctx - window + 1))           # [1, Hkv, S', D]
     qt = q.float().transpose(0, 1)[None]                             # [1, H, q_len, D]
-    out = torch.empty(q_len, q.shape[1], q.shape[2], dtype=torch.float32, device=q.device)
-    tile = max(window, MIN_WINDOW_TILE)
+    return _attend_in_tiles(qt, k, v, ctx, k_first, max(window, MIN_WINDOW_TILE), window,
+                            scale, plan_cache)
+
+
+def _attend_in_tiles(qt: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, k_first: int,
+                     tile: int, window: Optional[int], scale: float,
+                     plan_cache: Optional[dict]) -> torch.Tensor:
+    """Query rows qt [1, H, q_len, D] at positions ctx, ctx + 1, .. in tiles of ``tile`` rows,
+    each against the keys it can see (causal, within ``window``) among k / v [1, Hkv, S', D],
+    whose row 0 is position k_first. -> [q_len, H, D] fp32."""
+    q_len = qt.shape[2]
+    out = torch.empty(q_len, qt.shape[1], qt.shape[3], dtype=torch.float32, device=qt.device)
     for s in range(0, q_len, tile):
         e = min(s + tile, q_len)
         q_first = ctx + s                                            # absolute positions
-        lo = max(k_first, q_first - window + 1) - k_first            # key rows of this tile
-        hi = ctx + e - k_first
-        mask = _cached_mask(q_first - (k_first + lo), e - s, hi - lo, window, q.device,
+        lo = 0 if window is None else max(k_first, q_first - window + 1) - k_first
+        hi = ctx + e - k_first                                       # key rows [lo, hi)
+        mask = _cached_mask(q_first - (k_first + lo), e - s, hi - lo, window, qt.device,
                             plan_cache)
         o = F.scaled_dot_product_attention(
             qt[:, :, s:e], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask, scale=scale,
@@ -327,12 +337,4 @@ def _prefill_one(
             qt, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return o[0].transpose(0, 1)
     # after a cached context, queries go in tiles, each against the keys up to its last row
-    out = torch.empty(q_len, q.shape[1], q.shape[2], dtype=torch.float32, device=q.device)
-    for s in range(0, q_len, PREFILL_QUERY_TILE):
-        e = min(s + PREFILL_QUERY_TILE, q_len)
-        mask = _cached_mask(ctx + s, e - s, ctx + e, None, q.device, plan_cache)   # [e - s, ctx + e]
-        o = F.scaled_dot_product_attention(
-            qt[:, :, s:e], k[:, :, :ctx + e], v[:, :, :ctx + e], attn_mask=mask, scale=scale,
-            enable_gqa=True)
-        out[s:e] = o[0].transpose(0, 1)
-    return out
+    return _attend_in_tiles(qt, k, v, ctx, 0, PREFILL_QUERY_TILE, None, scale, plan_cache)
