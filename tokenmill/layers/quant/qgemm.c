@@ -46,6 +46,12 @@ INLINE uint64_t qg_i5_bits(const uint8_t *wb, int r) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define QG_MT 8      /* activation rows per pass over a tile */
 
+/* u - q of the stored values, taken off each block's dot as offset * (activation block sum):
+ * i8 stores q + 128 here, i5 without mins q + 16. */
+INLINE int qg_offset(int kind, int has_mins) {
+    return (kind & 7) == 1 ? 0 : (kind & 7) == QG_KIND_I5 ? (has_mins ? 0 : 16) : 128;
+}
+
 INLINE __m512 qg_load16(const float *p, int64_t i, int kind) {   /* 16 scales or mins */
     return (kind & KIND_HALF) ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i)))
                               : _mm512_loadu_ps(p + i);
@@ -96,7 +102,7 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
                        const float *sc, const float *mn, int64_t N, int64_t t, float *y) {
     const int64_t nb = K / 32, per_g = G / 32, ngroups = K / G;
     const int i4 = (kind & 7) == 1, i5 = (kind & 7) == QG_KIND_I5;
-    const int offset = i4 ? 0 : i5 ? (mn ? 0 : 16) : 128;   /* u - q: taken off as offset * qsum */
+    const int offset = qg_offset(kind, mn != NULL);
     const __m512i low = _mm512_set1_epi8(0x0F), fifth = _mm512_set1_epi8(0x10);
     __m512 acc[QG_MT];
     for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
@@ -142,6 +148,11 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
 }
 #else
 #define QG_MT 4      /* 16 ymm registers: 4 rows x (sum + block dot) plus weights */
+
+/* As the VNNI build's, except int8 rows: they restore q by the sign trick instead. */
+INLINE int qg_offset(int kind, int has_mins) {
+    return (kind & 7) == QG_KIND_I5 && !has_mins ? 16 : 0;
+}
 
 INLINE __m256 qg_load8(const float *p, int64_t i, int kind) {   /* 8 scales or mins */
     return (kind & KIND_HALF) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
@@ -219,7 +230,7 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
                        const float *sc, const float *mn, int64_t N, int64_t t, float *y) {
     const int64_t nb = K / 32, per_g = G / 32, ngroups = K / G;
     const int i4 = (kind & 7) == 1, i5 = (kind & 7) == QG_KIND_I5;
-    const int offset = i5 && !mn ? 16 : 0;   /* i8 rows restore q by the sign trick instead */
+    const int offset = qg_offset(kind, mn != NULL);
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     for (int h = 0; h < 2; h++) {   /* rows 8h .. 8h + 7 of the tile */
         __m256 acc[QG_MT];
@@ -274,19 +285,14 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
 int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *qw,
                 const float *sc, const float *mn, int64_t G, int64_t N, float *y, int nthreads) {
     const int64_t nb = K / 32, ngroups = K / G, tiles = (N + QG_TILE - 1) / QG_TILE;
-    const int i4 = (kind & 7) == 1, i5 = (kind & 7) == QG_KIND_I5, g16 = G == 16;
+    const int g16 = G == 16;
     const int64_t sum_len = g16 ? 16 : 32, qstride = K / sum_len;   /* qsum entries per row */
     q8_input in;
     if (q8_prepare(x, M, K, G, mn != NULL, &in)) return 1;
     const int8_t *xq = in.qx;
     const float *dx = in.dx, *xsum = in.xsum;
     int32_t *qsum = NULL;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-    const int offset_rows = !i4 && !(i5 && mn);   /* i8 (q + 128) and i5 without mins (q + 16) */
-#else
-    const int offset_rows = i5 && !mn;
-#endif
-    if (offset_rows) {   /* block (or group of 16) sums of the int8 activations: what the offset adds */
+    if (qg_offset(kind, mn != NULL)) {   /* block (or group of 16) sums of the int8 activations: what the offset adds */
         qsum = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * qstride));
         if (!qsum) { q8_free(&in); return 1; }
         for (int64_t i = 0; i < M * qstride; i++) {
