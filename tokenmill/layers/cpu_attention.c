@@ -384,6 +384,11 @@ static int attend_split(const float *qv, int64_t Hq, int64_t D, const void *k_ca
     return failed;
 }
 
+/* The first key position a query at position p sees (window <= 0: no window). */
+static inline int64_t window_first(int64_t p, int64_t window) {
+    return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+}
+
 /* One task = one request x a run of query heads: every head when requests alone keep every
  * thread busy (float caches: attend_heads), else the heads sharing a KV head (the
  * whole GQA group when there are enough tasks, else one head); all of that request's
@@ -428,7 +433,7 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
             for (int64_t b = 0; b < B && !failed; b++)
                 for (int64_t i = 0; i < q_len[b] && !failed; i++) {
                     const int64_t row = q_start[b] + i, p = seq_len[b] - q_len[b] + i;
-                    const int64_t first = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+                    const int64_t first = window_first(p, window);
                     failed = attend_split(q + row * q_stride, Hq, D, k_cache, v_cache, k_scale,
                                           v_scale, dt, block_tables + b * bt_stride, bs, Hkv,
                                           first, p - first + 1, scale, out + row * Hq * D, nthreads);
@@ -451,7 +456,7 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
                 const int64_t *table = block_tables + b * bt_stride;
                 for (int64_t i = 0; i < q_len[b]; i++) {
                     const int64_t row = q_start[b] + i, p = ctx + i;
-                    const int64_t first = (window > 0 && p - window + 1 > 0) ? p - window + 1 : 0;
+                    const int64_t first = window_first(p, window);
                     if (all_heads)
                         attend_heads(q + row * q_stride, Hq, Hkv, D, k_cache, v_cache, k_scale,
                                      v_scale, dt, table, bs, first, p - first + 1, scale,
