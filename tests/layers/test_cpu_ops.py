@@ -260,7 +260,7 @@ def test_paged_attention_reads_int8_cache_like_its_dequantized_values(window):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 16])   # > 4: the kernel runs 4-row slices
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 9, 16])   # > 8: the kernel runs 8-row slices
 @pytest.mark.parametrize("n,k", [(4, 8), (37, 576), (1728, 576), (5, 13), (129, 1536)])
 def test_small_m_linear_matches_f_linear(m, n, k):
     g = torch.Generator().manual_seed(m * n + k)
@@ -283,13 +283,13 @@ def test_small_m_linear_kernel_slices_rows_beyond_its_block():
 
 @pytest.mark.parametrize("n,k", [(963, 100), (3072, 576), (577, 1536), (5, 3)])
 def test_small_m_linear_rows_do_not_depend_on_the_row_count(n, k):
-    """One or two rows stream W row by row, three or more four weight rows at a time: the
-    same FMA chain per output either way, so a request's decode bits never depend on how
-    many others share its step (K % 8 != 0 exercises the scalar tail)."""
+    """Every row count, in one pass over W or in 8-row slices, runs the same FMA chain per
+    output, so a request's decode bits never depend on how many others share its step
+    (K % 8 != 0 exercises the scalar tail)."""
     g = torch.Generator().manual_seed(n + k)
     x, w, b = torch.randn(16, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     whole = cpu_ops.linear(x, w, b)
-    for lo, hi in [(0, 1), (5, 7), (2, 5), (3, 7), (0, 16)]:
+    for lo, hi in [(0, 1), (5, 7), (2, 5), (3, 7), (0, 8), (3, 12), (0, 16)]:
         assert torch.equal(cpu_ops.linear(x[lo:hi].contiguous(), w, b), whole[lo:hi])
     torch.testing.assert_close(whole, torch.nn.functional.linear(x.double(), w.double(), b.double()).float(),
                                rtol=1e-5, atol=1e-4)

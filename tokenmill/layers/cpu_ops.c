@@ -7,7 +7,7 @@
  *   tm_rope            neox-style rotary embedding of q and k, in place
  *   tm_silu_mul        silu(gate) * up of a fused [T, 2I] gate_up output
  *   tm_gelu_tanh_mul   gelu_tanh(gate) * up, likewise (Gemma)
- *   tm_linear_small_m  x W^T for decode-sized x (one to four rows), streaming W once
+ *   tm_linear_small_m  x W^T for decode-sized x (one to eight rows), streaming W once
  *   tm_argmax_rows     the greedy token of each logits row (torch.argmax's answer)
  * Plain-PyTorch references live beside the callers (tokenmill/layers/cpu_ops.py) and the
  * tests compare the two.
@@ -139,50 +139,17 @@ void tm_gelu_tanh_mul(const float *x, int64_t T, int64_t I, float *out, int nthr
 
 /* ---- small-M float32 matmul: y[M, N] = x[M, K] W[N, K]^T (+ bias) ---------------------
  * Decode multiplies one (or a few) activation rows by every weight: pure weight streaming,
- * so the goal is reading W once at memory bandwidth. Each task takes 4 weight rows and runs
- * all M activation rows (kept in L1) against them; two accumulators per (row, x-row) pair
- * keep the FMA pipes busy, and the next rows are prefetched ahead of use. */
-#define GEMV_MAX_M 4
+ * so the goal is reading W once at memory bandwidth. Each thread walks its contiguous share
+ * of W one row at a time (a single linear stream the hardware prefetchers follow) and runs
+ * all M activation rows (kept in L1) against it: one FMA chain per output, so an output's
+ * bits do not depend on M (a verify step of k + 1 rows gives what k + 1 decode steps
+ * would). Up to GEMV_MAX_M rows share one pass over W; more run in slices. */
+#define GEMV_MAX_M 8
 
-static inline void gemv_rows4(const float *x, int64_t M, int64_t K, const float *w,
-                              const float *bias, float *y, int64_t N, int64_t n0) {
-    __m256 acc[GEMV_MAX_M][4];
-    for (int64_t m = 0; m < M; m++)
-        for (int r = 0; r < 4; r++) acc[m][r] = _mm256_setzero_ps();
-    const float *w0 = w + n0 * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        /* non-temporal: weights are read once per step; keeping them out of the outer
-         * caches leaves the step's Python working set there (fp32 SmolLM2 decode,
-         * 3 process pairs: 25.9-26.8 -> 28.1-29.3 tok/s) */
-        _mm_prefetch((const char *)(w0 + k + 4 * K), _MM_HINT_NTA);
-        _mm_prefetch((const char *)(w2 + k + 4 * K), _MM_HINT_NTA);
-        __m256 a0 = _mm256_loadu_ps(w0 + k), a1 = _mm256_loadu_ps(w1 + k);
-        __m256 a2 = _mm256_loadu_ps(w2 + k), a3 = _mm256_loadu_ps(w3 + k);
-        for (int64_t m = 0; m < M; m++) {
-            __m256 xv = _mm256_loadu_ps(x + m * K + k);
-            acc[m][0] = _mm256_fmadd_ps(a0, xv, acc[m][0]);
-            acc[m][1] = _mm256_fmadd_ps(a1, xv, acc[m][1]);
-            acc[m][2] = _mm256_fmadd_ps(a2, xv, acc[m][2]);
-            acc[m][3] = _mm256_fmadd_ps(a3, xv, acc[m][3]);
-        }
-    }
-    for (int64_t m = 0; m < M; m++) {
-        for (int r = 0; r < 4; r++) {
-            const float *wr = w0 + r * K;
-            float s = hsum256(acc[m][r]);   /* fmaf: the same rounding as gemv_row_chain */
-            for (int64_t kk = k; kk < K; kk++) s = fmaf(wr[kk], x[m * K + kk], s);
-            y[m * N + n0 + r] = s + (bias ? bias[n0 + r] : 0.0f);
-        }
-    }
-}
-
-/* One weight row n (of the first 4 * (N / 4)) against M (compile-time 1 or 2) activation
- * rows: the same single FMA chain per output, in the same order, as gemv_rows4, so the two
- * give identical bits and the caller picks either by M. */
+/* Weight row n against M (compile-time 1..GEMV_MAX_M at each call) activation rows. */
 static inline void gemv_row_chain(const float *x, const int M, int64_t K, const float *w,
                                   const float *bias, float *y, int64_t N, int64_t n) {
-    __m256 acc[2];
+    __m256 acc[GEMV_MAX_M];
     const float *wr = w + n * K;
     for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
     int64_t k = 0;
@@ -197,12 +164,6 @@ static inline void gemv_row_chain(const float *x, const int M, int64_t K, const 
     }
 }
 
-static inline void gemv_row1(const float *x, int64_t M, int64_t K, const float *w,
-                             const float *bias, float *y, int64_t N, int64_t n) {
-    for (int64_t m = 0; m < M; m++)
-        y[m * N + n] = dot(x + m * K, w + n * K, K) + (bias ? bias[n] : 0.0f);
-}
-
 void tm_linear_small_m(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
                        const float *bias, float *y, int nthreads) {
     if (M > GEMV_MAX_M) {   /* callers stay within GEMV_MAX_M; larger M runs in slices */
@@ -211,26 +172,19 @@ void tm_linear_small_m(const float *x, int64_t M, int64_t K, const float *w, int
                               bias, y + m0 * N, nthreads);
         return;
     }
-    int64_t n4 = N / 4;
-    if (M <= 2) {
-        /* one or two activation rows: each thread walks its contiguous share of W one row
-         * at a time, a single linear stream the hardware prefetchers follow (four rows
-         * interleaved are four short streams: SmolLM2-sized weights at M = 1, 2 threads,
-         * 26-34 -> 33-50 GB/s; at M = 4 the interleaved order reads x less and wins) */
-        #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K >= (1 << 16))
-        for (int64_t n = 0; n < n4 * 4; n++) {
-            if (M == 1) gemv_row_chain(x, 1, K, w, bias, y, N, n);
-            else gemv_row_chain(x, 2, K, w, bias, y, N, n);
-        }
-    } else {
-        /* chunks of 16 rows per task: few enough scheduling points, many enough to balance */
-        #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K >= (1 << 16))
-        for (int64_t c = 0; c < (n4 + 3) / 4; c++) {
-            for (int64_t b = c * 4; b < n4 && b < c * 4 + 4; b++)
-                gemv_rows4(x, M, K, w, bias, y, N, b * 4);
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K >= (1 << 16))
+    for (int64_t n = 0; n < N; n++) {
+        switch (M) {   /* constant M per call: the loops over rows unroll */
+            case 1: gemv_row_chain(x, 1, K, w, bias, y, N, n); break;
+            case 2: gemv_row_chain(x, 2, K, w, bias, y, N, n); break;
+            case 3: gemv_row_chain(x, 3, K, w, bias, y, N, n); break;
+            case 4: gemv_row_chain(x, 4, K, w, bias, y, N, n); break;
+            case 5: gemv_row_chain(x, 5, K, w, bias, y, N, n); break;
+            case 6: gemv_row_chain(x, 6, K, w, bias, y, N, n); break;
+            case 7: gemv_row_chain(x, 7, K, w, bias, y, N, n); break;
+            default: gemv_row_chain(x, 8, K, w, bias, y, N, n); break;
         }
     }
-    for (int64_t n = n4 * 4; n < N; n++) gemv_row1(x, M, K, w, bias, y, N, n);
 }
 
 /* ---- argmax ------------------------------------------------------------------------------ */
