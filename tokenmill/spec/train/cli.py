@@ -31,6 +31,9 @@ def add_train_drafter_parser(sub) -> None:
                    help="where continuations and hidden states are cached (default: "
                         "~/.cache/tokenmill/drafter-data/<model>)")
     p.add_argument("--num-prompts", type=int, default=640, help="calibration prompts the target continues")
+    p.add_argument("--turns", choices=["first", "all"], default="first",
+                   help="ShareGPT user turns used as prompts: opening turns only (~1100 in the "
+                        "calibration split) or every user turn, each standing alone (~3500)")
     p.add_argument("--max-tokens", type=int, default=160, help="tokens per continuation")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--heldout-fraction", type=float, default=0.05)
@@ -79,13 +82,14 @@ def cmd_train_drafter(args) -> int:
                       eval_every=args.eval_every, k=args.k, options=parse_options(args.option))
     recipe = get_recipe(args.method)
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, seed=args.seed, num_threads=args.num_threads, max_num_seqs=32)
+    # 64 sequences at a time: generation is the data step's long part (batched GEMMs)
+    llm = LLM(model=args.model, seed=args.seed, num_threads=args.num_threads, max_num_seqs=64)
     target = llm.engine.model
     layers = validate_aux_layers(recipe.aux_layers(target), target.args.num_hidden_layers, args.method)
     data_dir = args.data_dir or os.path.join(DEFAULT_CACHE_DIR, "drafter-data",
                                              os.path.basename(os.path.normpath(args.model)))
     seqs = prepare(llm, data_dir, layers, args.num_prompts, args.max_tokens,
-                   args.max_prompt_tokens, args.seed, args.model)
+                   args.max_prompt_tokens, args.seed, args.model, turns=args.turns)
     data_seconds = time.perf_counter() - t0
     train, heldout = split_heldout(seqs, args.heldout_fraction, args.seed)
     os.makedirs(args.output, exist_ok=True)

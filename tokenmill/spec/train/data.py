@@ -37,15 +37,20 @@ class TrainSequence:
 
 
 def calibration_prompts(tokenizer, num: int, max_prompt_tokens: int, seed: int,
-                        cache_dir: Optional[str] = None) -> list[list[int]]:
-    """Chat-templated opening user turns of ShareGPT's calibration split (shuffled by
-    ``seed``), each at most ``max_prompt_tokens`` tokens."""
+                        cache_dir: Optional[str] = None, turns: str = "first") -> list[list[int]]:
+    """Chat-templated user turns of ShareGPT's calibration split (conversations shuffled by
+    ``seed``), each at most ``max_prompt_tokens`` tokens. ``turns="first"``: opening turns
+    only; ``"all"``: the opening turns, then every later user turn, each standing alone as an
+    opening turn (the split has ~1100 conversations but ~3500 user turns)."""
     from tokenmill.data.sharegpt import conversations
+    if turns not in ("first", "all"):
+        raise ValueError(f"turns must be 'first' or 'all', got {turns!r}")
     convs = conversations("calibration", cache_dir)
     random.Random(seed).shuffle(convs)
+    later = [m for conv in convs for m in conv[1:] if m["role"] == "user"] if turns == "all" else []
     prompts = []
-    for conv in convs:
-        text = conv[0]["content"].strip()
+    for message in [conv[0] for conv in convs] + later:
+        text = message["content"].strip()
         if not text:
             continue
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
@@ -146,23 +151,28 @@ def load_sequences(data_dir: str, layers: tuple[int, ...]) -> list[TrainSequence
     return out
 
 
+# facts of caches written before the key existed
+_FACTS_BEFORE = {"turns": "first"}
+
+
 def prepare(llm, data_dir: str, layers: tuple[int, ...], num_prompts: int, max_tokens: int,
             max_prompt_tokens: int, seed: int, model_name: str,
-            prompts: Optional[list[list[int]]] = None) -> list[TrainSequence]:
+            prompts: Optional[list[list[int]]] = None, turns: str = "first") -> list[TrainSequence]:
     """Continuations (cached in ``data_dir`` unless its facts differ) + features for
     ``layers`` -> sequences. ``prompts``: token-id prompts instead of ShareGPT's (tests)."""
     os.makedirs(data_dir, exist_ok=True)
     path = os.path.join(data_dir, "continuations.json")
     facts = {"model": model_name, "num_prompts": num_prompts, "max_tokens": max_tokens,
              "max_prompt_tokens": max_prompt_tokens, "seed": seed,
-             "source": "ids" if prompts is not None else "sharegpt-calibration"}
+             "source": "ids" if prompts is not None else "sharegpt-calibration", "turns": turns}
     cached = None
     if os.path.isfile(path):
         with open(path) as f:
             cached = json.load(f)
-    if cached is None or {k: cached.get(k) for k in facts} != facts:
+    if cached is None or any(cached.get(k, _FACTS_BEFORE.get(k)) != v for k, v in facts.items()):
         if prompts is None:
-            prompts = calibration_prompts(llm.get_tokenizer(), num_prompts, max_prompt_tokens, seed)
+            prompts = calibration_prompts(llm.get_tokenizer(), num_prompts, max_prompt_tokens, seed,
+                                          turns=turns)
         seqs = generate_continuations(llm, prompts[:num_prompts], max_tokens)
         with open(path + ".tmp", "w") as f:
             json.dump({**facts, "sequences": seqs}, f)
