@@ -162,3 +162,54 @@ def test_distilled_draft_model_learns_and_serves_exactly(llm, data, target_dir, 
     assert summary["final_loss"] < 0.8 * first, (first, summary["final_loss"])
     assert len(summary["heldout_acceptance"]) == 3 and summary["heldout_tau"] > 1.0
     assert _served_tau(llm, target_dir, "draft_model", str(tmp_path), heldout, 16) > 1.0
+
+
+class _CharTokenizer:
+    """One id per character of the user text (the template adds nothing)."""
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert len(messages) == 1 and messages[0]["role"] == "user"
+        return [ord(c) for c in messages[0]["content"]]
+
+
+def test_calibration_prompts_take_opening_turns_first_then_every_later_user_turn(monkeypatch):
+    from tokenmill.data import sharegpt
+    from tokenmill.spec.train.data import calibration_prompts
+
+    def turns(*texts):
+        return [{"role": "user" if i % 2 == 0 else "assistant", "content": t}
+                for i, t in enumerate(texts)]
+    convs = [turns("a1", "r", "a2", "r", "a3"), turns("b1", "r", "b2-far-too-long"),
+             turns("c1", "r", " ", "r", "c2")]
+    monkeypatch.setattr(sharegpt, "conversations", lambda split, cache_dir=None: [list(c) for c in convs])
+    text = lambda prompts: sorted("".join(map(chr, p)) for p in prompts)
+    tok = _CharTokenizer()
+    first = calibration_prompts(tok, 100, 8, seed=0)
+    assert text(first) == ["a1", "b1", "c1"]
+    every = calibration_prompts(tok, 100, 8, seed=0, turns="all")
+    assert text(every[:3]) == ["a1", "b1", "c1"]      # opening turns first
+    assert text(every) == ["a1", "a2", "a3", "b1", "c1", "c2"]   # no replies, blanks or long ones
+    assert len(calibration_prompts(tok, 4, 8, seed=0, turns="all")) == 4
+    with pytest.raises(ValueError, match="turns"):
+        calibration_prompts(tok, 4, 8, seed=0, turns="later")
+
+
+def test_cached_continuations_are_redone_for_other_turns(llm, tmp_path, monkeypatch):
+    from tokenmill.spec.train import data as data_mod
+    calls = []
+    real = data_mod.generate_continuations
+    monkeypatch.setattr(data_mod, "generate_continuations",
+                        lambda *a: calls.append(1) or real(*a))
+    folder = str(tmp_path)
+    prompts = PROMPTS[:2]
+    data_mod.prepare(llm, folder, (1,), 2, 4, 64, 0, "tiny", prompts=prompts)
+    path = os.path.join(folder, "continuations.json")
+    with open(path) as f:
+        cached = json.load(f)
+    del cached["turns"]                                  # a cache from before the fact existed
+    with open(path, "w") as f:
+        json.dump(cached, f)
+    data_mod.prepare(llm, folder, (1,), 2, 4, 64, 0, "tiny", prompts=prompts)   # opening turns
+    assert len(calls) == 1
+    data_mod.prepare(llm, folder, (1,), 2, 4, 64, 0, "tiny", prompts=prompts, turns="all")
+    assert len(calls) == 2
