@@ -172,6 +172,7 @@ class SpeculativeConfig:
     num_layers: Optional[int] = None
     adaptive: bool = True
     seed: int = 0                          # random medusa / eagle heads
+    quantization: Optional[str] = None     # "int8": serve an eagle3 / dflash drafter's linears in int8
 
     def __post_init__(self) -> None:
         if self.method not in _SPEC_METHODS:
@@ -184,6 +185,12 @@ class SpeculativeConfig:
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative method 'draft_model' needs a draft model (model=...)")
+        if self.quantization is not None:
+            if self.quantization != "int8":
+                raise ValueError(f"speculative quantization must be 'int8' or None, got {self.quantization!r}")
+            if self.method not in ("eagle3", "dflash"):
+                raise ValueError(f"speculative quantization applies to eagle3 and dflash drafters, "
+                                 f"not {self.method!r}")
         if self.num_layers is not None and (not isinstance(self.num_layers, int) or self.num_layers < 1):
             raise ValueError(f"num_layers must be a positive integer, got {self.num_layers!r}")
 

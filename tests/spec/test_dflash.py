@@ -17,6 +17,7 @@ from tokenmill.spec.dflash import (DFlashProposer, config_for_target, load_dflas
                                    save_dflash)
 from tokenmill.spec.dflash_model import DFlashDrafter, init_weights
 from tokenmill.spec.draft_input import DraftInput, StepFeatures
+from tokenmill.spec.trainable import Linear
 from tokenmill.spec.train.data import TrainSequence, extract_features
 from tokenmill.spec.train.dflash_recipe import DFlashRecipe
 
@@ -254,10 +255,11 @@ def test_recipe_learns_and_measures_acceptance(runner, tmp_path):
 
 
 # -- end to end -----------------------------------------------------------------------------
-def dflash_llm(model_dir, **kw):
+def dflash_llm(model_dir, quantization=None, **kw):
     kw.setdefault("num_kv_blocks", 256)
     return LLM(model=model_dir, skip_tokenizer_init=True, **kw,
-               speculative_config=dict(method="dflash", num_speculative_tokens=3, adaptive=False))
+               speculative_config=dict(method="dflash", num_speculative_tokens=3, adaptive=False,
+                                       quantization=quantization))
 
 
 @pytest.fixture(scope="module")
@@ -265,8 +267,12 @@ def plain_outputs(tiny_llama_dir):
     return run(LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=256), PROMPTS)
 
 
-def test_greedy_equals_plain(tiny_llama_dir, plain_outputs):
-    llm = dflash_llm(tiny_llama_dir)
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_greedy_equals_plain(tiny_llama_dir, plain_outputs, quantization):
+    llm = dflash_llm(tiny_llama_dir, quantization)
+    if quantization:
+        assert all(m.packed is not None for m in llm.engine.runner.spec.proposer.drafter.modules()
+                   if isinstance(m, Linear))
     assert run(llm, PROMPTS) == plain_outputs
     stats = llm.get_stats()
     assert stats["spec_num_drafts"] > 0 and stats["spec_num_draft_tokens"] >= stats["spec_num_drafts"]

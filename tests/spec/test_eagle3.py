@@ -339,10 +339,11 @@ def test_recipe_learns_and_measures_acceptance(continuations, tmp_path):
 
 
 # -- end to end -----------------------------------------------------------------------------
-def eagle3_llm(model_dir, **kw):
+def eagle3_llm(model_dir, quantization=None, **kw):
     kw.setdefault("num_kv_blocks", 256)
     return LLM(model=model_dir, skip_tokenizer_init=True, num_threads=1, **kw,
-               speculative_config=dict(method="eagle3", num_speculative_tokens=3, adaptive=False))
+               speculative_config=dict(method="eagle3", num_speculative_tokens=3, adaptive=False,
+                                       quantization=quantization))
 
 
 @pytest.fixture(scope="module")
@@ -350,9 +351,12 @@ def plain_outputs(tiny_llama_dir):
     return run(LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=256, num_threads=1), PROMPTS)
 
 
-def test_greedy_equals_plain(tiny_llama_dir, plain_outputs):
-    llm = eagle3_llm(tiny_llama_dir)
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_greedy_equals_plain(tiny_llama_dir, plain_outputs, quantization):
+    llm = eagle3_llm(tiny_llama_dir, quantization)
     assert isinstance(llm.engine.runner.spec.proposer, Eagle3Proposer)
+    head = llm.engine.runner.spec.proposer.head
+    assert (head.lm_head.packed is not None) == (quantization is not None)
     assert run(llm, PROMPTS) == plain_outputs
     stats = llm.get_stats()
     assert stats["spec_num_drafts"] > 0 and stats["spec_num_draft_tokens"] >= stats["spec_num_drafts"]

@@ -32,6 +32,7 @@ from tokenmill.spec.dflash_model import (DFlashConfig, DFlashDrafter, init_weigh
                                          spread_layer_ids)
 from tokenmill.spec.draft_head import DraftHead
 from tokenmill.spec.drafter_files import load_checked_state, read_drafter_dir
+from tokenmill.spec.trainable import quantize_linears
 from tokenmill.spec.draft_input import (DraftInput, StepFeatures, paged_slots, record_then_draft,
                                         validate_aux_layers)
 
@@ -258,6 +259,8 @@ def build_dflash_proposer(config, runner, num_blocks: int) -> DFlashProposer:
         drafter = load_dflash(config.model, target, runner.device)
     else:
         drafter = random_dflash(target, config.seed, runner.device)
+    if config.quantization:
+        quantize_linears(drafter, config.quantization)
     c = drafter.config
     caches = allocate_kv_caches(c.num_layers, num_blocks, runner.block_size, c.num_kv_heads,
                                 c.head_dim, drafter.param_dtype, runner.device)

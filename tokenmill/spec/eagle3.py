@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from tokenmill.layers.attention.base import write_kv
-from tokenmill.spec.trainable import init_weights
+from tokenmill.spec.trainable import init_weights, quantize_linears
 from tokenmill.spec.drafter_files import load_checked_state, read_drafter_dir
 from tokenmill.spec.draft_input import (DraftInput, StepFeatures, paged_slots, record_then_draft,
                                         validate_aux_layers)
@@ -277,6 +277,8 @@ def build_eagle3_proposer(config, runner, num_blocks: int) -> Eagle3Proposer:
         head = load_eagle3(config.model, target, runner.device)
     else:
         head = random_eagle3(target, config.seed, runner.device)
+    if config.quantization:
+        quantize_linears(head, config.quantization)
     c, dtype = head.config, head.param_dtype
     kv = allocate_kv_caches(1, num_blocks, runner.block_size, c.num_kv_heads, c.head_dim, dtype,
                             runner.device)[0]

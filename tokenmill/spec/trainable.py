@@ -18,14 +18,46 @@ class Linear(nn.Linear):
     """nn.Linear that, when autograd is not recording, runs decode-sized inputs (at most
     cpu_ops.LINEAR_MAX_ROWS rows) through tokenmill's streaming kernel: a drafter multiplies
     one to a few rows per step, and torch's small-M path reads each weight several times
-    slower than the kernel does. Training (autograd on) always takes F.linear."""
+    slower than the kernel does. Training (autograd on) always takes F.linear.
+
+    ``packed`` (set by ``quantize_linears`` for serving): an int8 copy of the weight that
+    every call without autograd takes instead, with q8 activations."""
+
+    packed = None   # tokenmill.layers.quant.formats.Packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+            if self.packed is not None:
+                from tokenmill.layers.quant.matmul import packed_linear
+                return packed_linear(x, self.packed, self.bias, activations="q8").to(x.dtype)
             y = cpu_ops.linear(x if x.is_contiguous() else x.contiguous(), self.weight, self.bias)
             if y is not None:
                 return y
         return super().forward(x)
+
+
+DRAFTER_QUANTIZATIONS = ("int8",)
+
+
+def quantize_linears(module: nn.Module, method: str) -> int:
+    """Serve every ``Linear`` of a drafter from per-channel int8 weights with int8-rounded
+    activations (``method`` "int8"; the tiled VNNI / AVX2 kernel where the kernel library
+    runs): a drafter's step streams its weights like the target's, so a quarter of the bytes
+    drafts faster. A drafter only proposes, so exactness is the verification's, not its own.
+    Returns the number of linears converted."""
+    from tokenmill.layers.quant import qgemm
+    from tokenmill.layers.quant.formats import quantize_int8
+    if method not in DRAFTER_QUANTIZATIONS:
+        raise ValueError(f"drafter quantization must be one of {DRAFTER_QUANTIZATIONS}, got {method!r}")
+    count = 0
+    for m in module.modules():
+        if isinstance(m, Linear) and m.in_features % 32 == 0:   # q8 rounds runs of 32 values
+            p = quantize_int8(m.weight.detach())
+            if qgemm.available():
+                p.tiled = qgemm.tile(p)
+            m.packed = p
+            count += 1
+    return count
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,55 @@
+"""Drafters served from int8 weights (speculative_config "quantization": "int8"): every
+trainable Linear takes its packed copy with q8 activations when autograd is off, computes
+what the q8 reference computes, and training still sees the float weights."""
+import pytest
+import torch
+
+from tokenmill.config import SpeculativeConfig
+from tokenmill.layers.quant.matmul import reference_linear
+from tokenmill.spec.trainable import Linear, SwiGLU, quantize_linears
+
+
+def _mlp():
+    torch.manual_seed(0)
+    mlp = SwiGLU(64, 96)
+    odd = Linear(40, 8)      # 40 columns: not runs of 32, stays float
+    return torch.nn.ModuleDict({"mlp": mlp, "odd": odd})
+
+
+def test_linears_take_their_int8_copy_and_match_the_q8_reference():
+    model = _mlp()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        float_out = model["mlp"](x)
+    assert quantize_linears(model, "int8") == 3
+    assert model["odd"].packed is None
+    lin = model["mlp"].gate_proj
+    with torch.no_grad():
+        for rows in (1, 3, 20):   # decode rows and a GEMM-sized batch
+            xs = torch.randn(rows, 64)
+            torch.testing.assert_close(lin(xs), reference_linear(xs, lin.packed, activations="q8"),
+                                       rtol=1e-5, atol=1e-5)
+        out = model["mlp"](x)
+    assert not torch.equal(out, float_out)                       # it is the int8 copy
+    torch.testing.assert_close(out, float_out, rtol=0.05, atol=0.02)
+
+
+def test_training_still_uses_the_float_weights():
+    model = _mlp()
+    quantize_linears(model, "int8")
+    x = torch.randn(2, 64)
+    y = model["mlp"](x)
+    y.sum().backward()
+    assert model["mlp"].gate_proj.weight.grad is not None
+    want = torch.nn.functional.linear(x, model["mlp"].gate_proj.weight)
+    torch.testing.assert_close(model["mlp"].gate_proj(x), want)
+
+
+def test_config_rejects_what_it_cannot_quantize():
+    assert SpeculativeConfig(method="eagle3", quantization="int8").quantization == "int8"
+    with pytest.raises(ValueError, match="int8"):
+        SpeculativeConfig(method="eagle3", quantization="int4")
+    with pytest.raises(ValueError, match="eagle3 and dflash"):
+        SpeculativeConfig(method="ngram", quantization="int8")
+    with pytest.raises(ValueError, match="drafter quantization"):
+        quantize_linears(_mlp(), "fp8")
