@@ -4,6 +4,8 @@ and reports the fields the closing note quotes. Speed itself is never asserted."
 import argparse
 import json
 
+import pytest
+
 from tokenmill.spec import bench
 
 
@@ -39,3 +41,16 @@ def test_bench_spec_reports_every_row(tiny_spec_chat_dir, tmp_path):
             assert r["identical"] == 1.0
     assert result["prompt_source"] == "builtin"
     assert (tmp_path / "r" / "spec.md").exists() and (tmp_path / "r" / "spec.json").exists()
+
+
+def test_method_names_choose_adaptive_and_int8_drafters():
+    args = argparse.Namespace(drafter=["eagle3=/d/e", "dflash=/d/f"], draft_model=None,
+                              layer_skip_layers=4, k=3)
+    got = bench._configs(["eagle3", "adaptive_eagle3_int8", "dflash_int8", "ngram"], args)
+    assert (got["eagle3"].quantization, got["eagle3"].adaptive) == (None, False)
+    assert (got["adaptive_eagle3_int8"].method, got["adaptive_eagle3_int8"].quantization,
+            got["adaptive_eagle3_int8"].adaptive, got["adaptive_eagle3_int8"].model) == ("eagle3", "int8", True, "/d/e")
+    assert (got["dflash_int8"].method, got["dflash_int8"].quantization) == ("dflash", "int8")
+    assert got["ngram"].quantization is None
+    with pytest.raises(ValueError, match="unknown method"):
+        bench._configs(["ngram_int8"], args)

@@ -65,7 +65,7 @@ TRAINED = ("draft_model", "medusa", "eagle3", "dflash")   # need a checkpoint (-
 def add_parser(sub) -> None:
     p = sub.add_parser("spec", help="speculative decoding speedup vs none (ngram, layer_skip, "
                                     "draft_model, medusa, eagle3, dflash; adaptive_<method> for "
-                                    "adaptive k)")
+                                    "adaptive k, <method>_int8 for an int8-served eagle3 / dflash)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--min-prompts", type=int, default=4,
@@ -75,7 +75,8 @@ def add_parser(sub) -> None:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--methods", "--configs", dest="methods",
                    default="ngram,adaptive_ngram,layer_skip,adaptive_layer_skip",
-                   help=f"comma list of {', '.join(METHODS)}, each optionally adaptive_<method>")
+                   help=f"comma list of {', '.join(METHODS)}, each optionally adaptive_<method>; "
+                        "eagle3_int8 / dflash_int8: the drafter served in int8")
     p.add_argument("--layer-skip-layers", type=int, default=8)
     p.add_argument("--draft-model", default=None, help="checkpoint for draft_model")
     p.add_argument("--drafter", action="append", default=[], metavar="METHOD=DIR",
@@ -126,15 +127,19 @@ def _configs(names: list[str], args) -> dict:
     out = {}
     for name in names:
         method = name.removeprefix("adaptive_")
+        quantization = None
+        if method.removesuffix("_int8") in ("eagle3", "dflash") and method.endswith("_int8"):
+            method, quantization = method.removesuffix("_int8"), "int8"
         if method not in METHODS:
-            raise ValueError(f"unknown method {name!r}; choose from {METHODS} (or adaptive_<method>)")
+            raise ValueError(f"unknown method {name!r}; choose from {METHODS} (or adaptive_<method>, "
+                             "eagle3_int8, dflash_int8)")
         extra = {"ngram": dict(prompt_lookup_min=2, prompt_lookup_max=4),
                  "layer_skip": dict(num_layers=args.layer_skip_layers)}.get(method, {})
         if method in TRAINED:
             path = drafters.get(method) or (args.draft_model if method == "draft_model" else None)
             if not path:
                 raise ValueError(f"method {name!r} needs a trained drafter: --drafter {method}=DIR")
-            extra = dict(model=path)
+            extra = dict(model=path, quantization=quantization)
         out[name] = SpeculativeConfig(method=method, num_speculative_tokens=args.k,
                                       adaptive=name.startswith("adaptive_"), **extra)
     return out
