@@ -145,6 +145,10 @@ void tm_gelu_tanh_mul(const float *x, int64_t T, int64_t I, float *out, int nthr
  * bits do not depend on M (a verify step of k + 1 rows gives what k + 1 decode steps
  * would). Up to GEMV_MAX_M rows share one pass over W; more run in slices. */
 #define GEMV_MAX_M 8
+/* Prefetch distance in floats (4 KB): the hardware prefetchers alone left the stream at
+ * 19-24 GB/s at one row and 15-17 at four on an Emerald Rapids Xeon, 2 threads; 4 KB ahead
+ * read 24-28 and 23-26 (a few rows of a 576-column weight; past the end it is a no-op). */
+#define GEMV_PREFETCH 1024
 
 /* Weight row n against M (compile-time 1..GEMV_MAX_M at each call) activation rows. */
 static inline void gemv_row_chain(const float *x, const int M, int64_t K, const float *w,
@@ -154,6 +158,8 @@ static inline void gemv_row_chain(const float *x, const int M, int64_t K, const 
     for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
+        if ((k & 15) == 0)   /* one cache line of the stream GEMV_PREFETCH floats ahead */
+            _mm_prefetch((const char *)(wr + k + GEMV_PREFETCH), _MM_HINT_T0);
         __m256 a = _mm256_loadu_ps(wr + k);
         for (int m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(a, _mm256_loadu_ps(x + m * K + k), acc[m]);
     }
