@@ -113,6 +113,13 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
             for (int m = 0; m < mb; m++)
                 dot[m] = offset ? _mm512_set1_epi32(-offset * qsum[m * nb + b]) : _mm512_setzero_si512();
             const int8_t *xb = xq + b * 32;
+#ifdef TM_QG_PREFETCH
+            {   /* this block's lines TM_QG_PREFETCH bytes ahead in the thread's stream of tiles */
+                const int64_t bw = i4 ? 256 : i5 ? QG_I5_BYTES : 512;
+                const char *ahead = (const char *)(qw + (t * nb + b) * bw) + TM_QG_PREFETCH;
+                for (int64_t l = 0; l < bw; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+            }
+#endif
             if (i4 || i5) {
                 const uint8_t *wb = qw + (t * nb + b) * (i5 ? QG_I5_BYTES : 256);
                 for (int p = 0; p < 4; p++) {
