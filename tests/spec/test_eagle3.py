@@ -163,6 +163,31 @@ def test_paged_chains_equal_the_reference_and_reuse_a_shared_prefix(runner):
     assert len(proposer.propose(DraftInput([short], [3], None, None))[0]) == 1
 
 
+@torch.inference_mode()   # the engine's kernels: a row's bits do not depend on the row count
+def test_steps_recorded_together_write_what_steps_recorded_one_by_one(runner):
+    """A queue of steps (a chunk, then one decode row at a time, each reading its
+    predecessor's feature) written in one call leaves the same features and K/V as writing
+    each step at once."""
+    from tokenmill.spec.draft_input import PendingFeatures
+    head = make_head(runner.model)
+    g = torch.Generator().manual_seed(2)
+    tokens = {"a": torch.randint(3, 380, (12,), generator=g).tolist()}
+    tables = {"a": [5, 2, 9]}
+    aux = {"a": torch.randn(12, 3 * 64, generator=g)}
+    steps = [features(["a"], [(0, 6)], tokens, tables, aux)] + \
+        [features(["a"], [(p, p + 1)], tokens, tables, aux) for p in range(6, 12)]
+    one_by_one, together = make_proposer(runner, head), make_proposer(runner, head)
+    for f in steps:
+        one_by_one.record(f)
+    queue = PendingFeatures()
+    for f in steps:
+        queue.add(f)
+    together.record(queue.take())
+    assert torch.equal(one_by_one.features, together.features)
+    assert all(torch.equal(a, b) for a, b in zip(one_by_one.kv_cache, together.kv_cache))
+    assert float(together.kv_cache[0].abs().sum()) > 0
+
+
 # -- checkpoints ----------------------------------------------------------------------------
 def test_default_layers():
     assert default_aux_layers(30) == (1, 14, 26)      # vLLM's (2, 15, 27) for SmolLM2-135M
@@ -395,6 +420,45 @@ def test_paged_state_is_right_under_chunking_preemption_and_prefix_cache(tiny_ll
     assert checker.checked > 20 and llm.get_stats()[what] > 0
     mem = llm.get_memory_stats()
     assert mem["num_free_blocks"] == mem["num_total_blocks"]
+
+
+class Streaks:
+    """A k controller that drafts in short bursts between long k = 0 streaks (adaptive k's
+    pattern when speculation rarely pays), so features queue up between drafts."""
+
+    def __init__(self, k: int, on: int = 2, off: int = 7) -> None:
+        self.k, self.on, self.off, self.step = k, on, off, 0
+
+    def choose(self, batch_size: int) -> int:
+        self.step += 1
+        return self.k if self.step % (self.on + self.off) < self.on else 0
+
+    def record(self, *args) -> None:
+        pass
+
+    def estimated_speedup(self) -> float:
+        return 0.0
+
+
+@pytest.mark.parametrize("max_rows", [5, 256])   # flushed when full, or only before drafts
+def test_queued_features_leave_every_chain_right(tiny_llama_dir, plain_outputs, max_rows):
+    llm = eagle3_llm(tiny_llama_dir, num_kv_blocks=40, max_num_batched_tokens=24, max_num_seqs=8)
+    runner = llm.engine.runner
+    runner.spec.controller = Streaks(3)
+    runner.spec.proposer = checker = CheckingProposer(runner.spec.proposer, runner)
+    checker.pending.max_rows = max_rows
+    queued = []
+    take = checker.pending.take
+    checker.pending.take = lambda: queued.append(len(checker.pending.steps)) or take()
+    for _ in range(2):   # cold, then warm prefix cache
+        assert run(llm, PROMPTS) == plain_outputs
+    assert checker.checked > 20 and max(queued) > (1 if max_rows == 5 else 3)   # steps written together
+
+
+def test_last_writes_keeps_the_newest_of_each_slot():
+    from tokenmill.spec.draft_input import last_writes
+    slots = torch.tensor([7, 3, 7, 9, 3, 0])
+    assert last_writes(slots).tolist() == [2, 3, 4, 5]
 
 
 def test_build_from_a_checkpoint(tiny_llama_dir, tmp_path):

@@ -33,8 +33,8 @@ from tokenmill.spec.dflash_model import (DFlashConfig, DFlashDrafter, init_weigh
 from tokenmill.spec.draft_head import DraftHead
 from tokenmill.spec.drafter_files import load_checked_state, read_drafter_dir
 from tokenmill.spec.trainable import quantize_linears
-from tokenmill.spec.draft_input import (DraftInput, StepFeatures, paged_slots, record_then_draft,
-                                        validate_aux_layers)
+from tokenmill.spec.draft_input import (DraftInput, PendingFeatures, StepFeatures, last_writes,
+                                        paged_slots, record_then_draft, validate_aux_layers)
 
 __all__ = ["DFlashConfig", "DFlashDrafter", "DFlashProposer", "build_dflash_proposer",
            "config_for_target", "load_dflash", "save_dflash"]
@@ -56,6 +56,7 @@ class DFlashProposer:
         self.aux_layers = drafter.config.target_layer_ids
         self.max_drafts = drafter.block_size - 1
         self.head = DraftHead(target, getattr(drafter, "draft_vocab_ids", None))
+        self.pending = PendingFeatures()   # steps' features not yet recorded
 
     def drop(self, req_ids) -> None:
         pass    # the cache belongs to the target's blocks, not to requests
@@ -70,14 +71,16 @@ class DFlashProposer:
         return [g[:n] for g, n in zip(self._draft(states, max(want)), want)]
 
     def record(self, f: StepFeatures) -> None:
-        """Writes the context K/V of every verified row of the step."""
+        """Writes the context K/V of every verified row of one or more steps (in step order:
+        a slot written twice keeps its newest entry)."""
         positions = [torch.arange(s, s + n) for s, n in zip(f.starts, f.counts)]
         slots = torch.cat([paged_slots(ids, p, self.block_size)
                            for ids, p in zip(f.block_ids, positions)]).to(self.device)
-        kv = self.drafter.context_kv(f.aux.to(self.device), torch.cat(positions).to(self.device))
+        keep = last_writes(slots)
+        kv = self.drafter.context_kv(f.aux.to(self.device)[keep], torch.cat(positions).to(self.device)[keep])
         for (k_cache, v_cache), (k, v) in zip(self.kv_caches, kv):
-            _flat(k_cache)[slots] = k.to(k_cache.dtype)
-            _flat(v_cache)[slots] = v.to(v_cache.dtype)
+            _flat(k_cache)[slots[keep]] = k.to(k_cache.dtype)
+            _flat(v_cache)[slots[keep]] = v.to(v_cache.dtype)
 
     def _draft(self, states: list, num_rows: int) -> list[list[int]]:
         """The argmax of block rows 1..num_rows for every state."""

@@ -77,14 +77,58 @@ class AuxCapture:
         return torch.cat(self.rows, dim=-1)
 
 
+class PendingFeatures:
+    """Steps' features a drafter has not written into its context cache yet. Writing them
+    costs a few dozen small ops a step whatever the row count, so while no drafts are asked
+    for (adaptive k = 0) they wait and go in one call: before the next draft, or once
+    ``max_rows`` have gathered. Kept in step order, so a slot written twice ends with its
+    newest entry, as if each step had been written at once."""
+
+    def __init__(self, max_rows: int = 256) -> None:
+        self.max_rows = max_rows
+        self.steps: list[StepFeatures] = []
+        self.rows = 0
+
+    def add(self, f: StepFeatures) -> None:
+        self.steps.append(f)
+        self.rows += int(f.aux.shape[0])
+
+    def take(self) -> Optional[StepFeatures]:
+        """Every pending step as one StepFeatures (entries in step order), or None."""
+        steps, self.steps, self.rows = self.steps, [], 0
+        if not steps:
+            return None
+        if len(steps) == 1:
+            return steps[0]
+        return StepFeatures([r for f in steps for r in f.req_ids], [x for f in steps for x in f.starts],
+                            [n for f in steps for n in f.counts],
+                            [t for f in steps for t in f.token_ids],
+                            [b for f in steps for b in f.block_ids],
+                            torch.cat([f.aux for f in steps]))
+
+
+def last_writes(slots: torch.Tensor) -> torch.Tensor:
+    """Indices into ``slots`` [N] of the last occurrence of each slot (ascending): a batched
+    write that must end as sequential writes would."""
+    order = torch.arange(slots.shape[0], device=slots.device)
+    last = torch.full((int(slots.max()) + 1,), -1, dtype=torch.int64, device=slots.device)
+    last.scatter_reduce_(0, slots, order, "amax")
+    return order[last[slots] == order]
+
+
 def record_then_draft(proposer, inp: DraftInput) -> list[list[int]]:
-    """``propose`` of a drafter that keeps its own context cache (EAGLE-3, DFlash): write the
-    step's features (``proposer.record``), then draft for the requests that want drafts
+    """``propose`` of a drafter that keeps its own context cache (EAGLE-3, DFlash): queue the
+    step's features (``proposer.pending``), write the queue (``proposer.record``) when drafts
+    are wanted or it is full, then draft for the requests that want drafts
     (``proposer.draft(states, counts)``: one list of at most counts[i] tokens per state)."""
     if inp.features is not None and inp.features.req_ids:
-        proposer.record(inp.features)
-    drafts: list[list[int]] = [[] for _ in inp.states]
+        proposer.pending.add(inp.features)
     rows = [i for i, n in enumerate(inp.num_drafts) if n > 0]
+    if rows or proposer.pending.rows >= proposer.pending.max_rows:
+        queued = proposer.pending.take()
+        if queued is not None:
+            proposer.record(queued)
+    drafts: list[list[int]] = [[] for _ in inp.states]
     if rows:
         got = proposer.draft([inp.states[i] for i in rows], [inp.num_drafts[i] for i in rows])
         for i, d in zip(rows, got):

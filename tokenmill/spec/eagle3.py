@@ -25,8 +25,8 @@ import torch
 from tokenmill.layers.attention.base import write_kv
 from tokenmill.spec.trainable import init_weights, quantize_linears
 from tokenmill.spec.drafter_files import load_checked_state, read_drafter_dir
-from tokenmill.spec.draft_input import (DraftInput, StepFeatures, paged_slots, record_then_draft,
-                                        validate_aux_layers)
+from tokenmill.spec.draft_input import (DraftInput, PendingFeatures, StepFeatures, last_writes,
+                                        paged_slots, record_then_draft, validate_aux_layers)
 from tokenmill.spec.eagle3_model import Eagle3Config, Eagle3Head, default_aux_layers
 
 __all__ = ["Eagle3Config", "Eagle3Head", "Eagle3Proposer", "build_eagle3_proposer",
@@ -48,6 +48,7 @@ class Eagle3Proposer:
         self.features = features    # [num_blocks * block_size, hidden]: g of verified positions
         self.backend, self.block_size, self.device = backend, block_size, device
         self.aux_layers = head.config.aux_layers
+        self.pending = PendingFeatures()   # steps' features not yet recorded
 
     def drop(self, req_ids) -> None:
         pass    # everything lives in the target's blocks
@@ -57,26 +58,30 @@ class Eagle3Proposer:
         return record_then_draft(self, inp)
 
     def record(self, f: StepFeatures) -> None:
-        """Entries and features of every verified row of the step."""
+        """Entries and features of every verified row of one or more steps (in step order:
+        a slot written twice keeps its newest entry)."""
         bs, dev, head = self.block_size, self.device, self.head
         g = head.project(f.aux.to(dev))
-        slots, prev, positions = [], [], []
+        slots = torch.cat([_slots(table, s, s + n, bs)
+                           for s, n, table in zip(f.starts, f.counts, f.block_ids)]).to(dev)
+        keep = last_writes(slots)
+        # every feature first: a run's first entry reads its predecessor's, which an earlier
+        # run of the same call may have written
+        self.features[slots[keep]] = g[keep].to(self.features.dtype)
+        prev, positions = [], []
         row = 0
         for s, n, table in zip(f.starts, f.counts, f.block_ids):
-            slots.append(_slots(table, s, s + n, bs))
-            before = (self.features[_slots(table, s - 1, s, bs).to(dev)] if s > 0
+            before = (self.features[_slots(table, s - 1, s, bs).to(dev)].to(g.dtype) if s > 0
                       else g.new_zeros(1, g.shape[1]))    # entry 0 has no predecessor
             prev.append(torch.cat([before, g[row:row + n - 1]]))
             positions.append(torch.arange(s, s + n))
             row += n
-        slots = torch.cat(slots).to(dev)
         tokens = torch.tensor([t for ids in f.token_ids for t in ids], device=dev)
         embeds = head.embed(self.target.model.embed_tokens, tokens)
         x, _ = head.layer.inputs(embeds, torch.cat(prev))
         cos, sin = head.rotary.cos_sin(torch.cat(positions).to(dev), x.dtype)
         k, v = head.layer.kv(x, cos, sin)
-        write_kv(k, v, self.kv_cache[0], self.kv_cache[1], slots)
-        self.features[slots] = g.to(self.features.dtype)
+        write_kv(k[keep], v[keep], self.kv_cache[0], self.kv_cache[1], slots[keep])
 
     def draft(self, states: list, counts: list[int]) -> list[list[int]]:
         """Greedy chains from each state's newest token, ``counts[i]`` drafts each (never past
