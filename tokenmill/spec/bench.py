@@ -128,7 +128,7 @@ def _configs(names: list[str], args) -> dict:
     for name in names:
         method = name.removeprefix("adaptive_")
         quantization = None
-        if method.removesuffix("_int8") in ("eagle3", "dflash") and method.endswith("_int8"):
+        if method in ("eagle3_int8", "dflash_int8"):
             method, quantization = method.removesuffix("_int8"), "int8"
         if method not in METHODS:
             raise ValueError(f"unknown method {name!r}; choose from {METHODS} (or adaptive_<method>, "

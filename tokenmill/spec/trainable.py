@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers import cpu_ops
+from tokenmill.layers.quant.matmul import packed_linear
 from tokenmill.layers.rotary import compute_inv_freq, scaling_kind, yarn_attention_factor
 
 
@@ -28,7 +29,6 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             if self.packed is not None:
-                from tokenmill.layers.quant.matmul import packed_linear
                 return packed_linear(x, self.packed, self.bias, activations="q8").to(x.dtype)
             y = cpu_ops.linear(x if x.is_contiguous() else x.contiguous(), self.weight, self.bias)
             if y is not None:
