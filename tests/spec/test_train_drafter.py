@@ -213,3 +213,49 @@ def test_cached_continuations_are_redone_for_other_turns(llm, tmp_path, monkeypa
     assert len(calls) == 1
     data_mod.prepare(llm, folder, (1,), 2, 4, 64, 0, "tiny", prompts=prompts, turns="all")
     assert len(calls) == 2
+
+
+def test_sampled_passes_add_seeded_continuations_of_the_same_prompts(llm, tmp_path, monkeypatch):
+    from tokenmill.spec.train import data as data_mod
+    calls = []
+    real = data_mod.generate_continuations
+    monkeypatch.setattr(data_mod, "generate_continuations",
+                        lambda *a: calls.append(a[3]) or real(*a))
+    folder, prompts = str(tmp_path), PROMPTS[:6]
+    seqs = data_mod.prepare(llm, folder, (1,), 6, 12, 64, 0, "tiny", prompts=prompts,
+                            sampled_passes=1, temperature=1.0)
+    assert calls == [0.0, 1.0] and len(seqs) == 12
+    greedy, sampled = seqs[:6], seqs[6:]
+    assert [s.sampled for s in seqs] == [False] * 6 + [True] * 6
+    assert [s.prompt_index for s in sampled] == list(range(6))
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=1.0, max_tokens=12, seed=1_000_003 + j)
+                         for j in range(6)], use_tqdm=False)
+    for seq, g, prompt, out in zip(sampled, greedy, prompts, outs):
+        assert seq.token_ids.tolist() == prompt + list(out.outputs[0].token_ids)
+        # the prompt's rows are the greedy sequence's rows: same tokens, same target
+        n = len(prompt)
+        assert torch.allclose(seq.final[:n], g.final[:n], atol=1e-3)
+        assert torch.allclose(seq.aux[:n], g.aux[:n], atol=1e-3)
+    assert any(not torch.equal(s.token_ids, g.token_ids) for s, g in zip(sampled, greedy))
+    # cached per pass: the same request generates nothing, another temperature only the sample
+    data_mod.prepare(llm, folder, (1,), 6, 12, 64, 0, "tiny", prompts=prompts,
+                     sampled_passes=1, temperature=1.0)
+    data_mod.prepare(llm, folder, (1,), 6, 12, 64, 0, "tiny", prompts=prompts,
+                     sampled_passes=1, temperature=0.5)
+    assert calls == [0.0, 1.0, 0.5]
+    with pytest.raises(ValueError, match="temperature > 0"):
+        data_mod.prepare(llm, folder, (1,), 6, 12, 64, 0, "tiny", prompts=prompts,
+                         sampled_passes=1, temperature=0.0)
+
+
+def test_held_out_prompts_keep_their_sampled_continuations_out_of_training(data):
+    from dataclasses import replace
+    _, seqs = data
+    sampled = [replace(s, sampled=True) for s in seqs]
+    train, heldout = split_heldout(seqs + sampled, 0.2, seed=0)
+    assert heldout and all(not s.sampled for s in heldout)
+    held = {s.prompt_index for s in heldout}
+    assert held == {s.prompt_index for s in split_heldout(seqs, 0.2, seed=0)[1]}
+    assert len(train) == 2 * (len(seqs) - len(held))
+    assert not any(s.prompt_index in held for s in train)

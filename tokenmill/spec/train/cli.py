@@ -2,8 +2,8 @@
 
     tokenmill train-drafter --method eagle3 --model smollm2-135m --output drafters/eagle3
 
-Steps: (1) the target continues ShareGPT calibration prompts (greedy, in batch; cached in
---data-dir, shared by every method), (2) the target's hidden states at the layers the method
+Steps: (1) the target continues ShareGPT calibration prompts (greedy, plus --sampled-passes
+sampled ones; in batch, cached in --data-dir, shared by every method), (2) the target's hidden states at the layers the method
 reads are computed and cached beside them, (3) the recipe trains (resumable from
 OUTPUT/checkpoint), (4) OUTPUT gets the drafter in the layout its loader reads, plus
 training_log.json, training_curves.png and train_summary.json. Use it with
@@ -34,6 +34,11 @@ def add_train_drafter_parser(sub) -> None:
     p.add_argument("--turns", choices=["first", "all"], default="first",
                    help="ShareGPT user turns used as prompts: opening turns only (~1100 in the "
                         "calibration split) or every user turn, each standing alone (~3500)")
+    p.add_argument("--sampled-passes", type=int, default=0,
+                   help="continuations sampled per prompt besides the greedy one (more contexts "
+                        "from the same prompts; cached like the greedy pass)")
+    p.add_argument("--sample-temperature", type=float, default=0.8,
+                   help="temperature of the sampled passes")
     p.add_argument("--max-tokens", type=int, default=160, help="tokens per continuation")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--heldout-fraction", type=float, default=0.05)
@@ -89,7 +94,8 @@ def cmd_train_drafter(args) -> int:
     data_dir = args.data_dir or os.path.join(DEFAULT_CACHE_DIR, "drafter-data",
                                              os.path.basename(os.path.normpath(args.model)))
     seqs = prepare(llm, data_dir, layers, args.num_prompts, args.max_tokens,
-                   args.max_prompt_tokens, args.seed, args.model, turns=args.turns)
+                   args.max_prompt_tokens, args.seed, args.model, turns=args.turns,
+                   sampled_passes=args.sampled_passes, temperature=args.sample_temperature)
     data_seconds = time.perf_counter() - t0
     train, heldout = split_heldout(seqs, args.heldout_fraction, args.seed)
     os.makedirs(args.output, exist_ok=True)

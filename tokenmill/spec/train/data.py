@@ -1,15 +1,18 @@
-"""Self-distillation data for drafters: the target's own greedy continuations of ShareGPT
-prompts (calibration split only; `bench spec` measures on the benchmark split), and the
-target's hidden states over prompt + continuation, both cached on disk.
+"""Self-distillation data for drafters: the target's own continuations of ShareGPT prompts
+(calibration split only; `bench spec` measures on the benchmark split), and the target's
+hidden states over prompt + continuation, both cached on disk.
 
-Layout of a data directory:
-- ``continuations.json``: {"model", "num_prompts", "max_tokens", "seed", "sequences":
+A data directory holds passes over the same prompts: pass 0 greedy, passes 1.. sampled at a
+temperature with per-prompt seeds (more contexts from the same prompts; the recipes' soft
+labels are the target's distribution at every position, so a sampled token is context, not
+a label the drafter must copy). Files of pass 0 (pass i > 0 adds ``-sampled-<i>``):
+- ``continuations.json``: {"model", "num_prompts", "max_tokens", "seed", ..., "sequences":
   [{"prompt": [ids], "output": [ids]}]} — generated once by tokenmill in batch;
 - ``features-<layers>/``: ``aux.npy`` float16 [total, len(layers) * hidden] (the outputs of
   those decoder layers, tokenmill.spec.draft_input numbering), ``final.npy`` float16
   [total, hidden] (after the final norm), ``offsets.npy`` int64 [num_sequences + 1].
 A sequence's rows are positions 0..N-1 of prompt + continuation; row p is computed from
-tokens 0..p. Everything is recomputed when the directory's facts differ from the request.
+tokens 0..p. A pass is recomputed when its facts differ from the request.
 """
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ class TrainSequence:
     prompt_len: int             # the continuation starts here
     aux: torch.Tensor           # [N, len(layers) * hidden] float32
     final: torch.Tensor         # [N, hidden] float32, the target's post-norm hidden states
+    prompt_index: int = -1      # which prompt of the data directory (-1: not from one)
+    sampled: bool = False       # the continuation was sampled, not greedy
 
     @property
     def num_tokens(self) -> int:
@@ -62,10 +67,16 @@ def calibration_prompts(tokenizer, num: int, max_prompt_tokens: int, seed: int,
     return prompts
 
 
-def generate_continuations(llm, prompts: list[list[int]], max_tokens: int) -> list[dict]:
-    """The target's greedy continuations (stopping at its end-of-sequence token)."""
+def generate_continuations(llm, prompts: list[list[int]], max_tokens: int,
+                           temperature: float = 0.0, seed: int = 0) -> list[dict]:
+    """The target's continuations (stopping at its end-of-sequence token): greedy, or sampled
+    at ``temperature`` with prompt j seeded ``seed + j``."""
     from tokenmill import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    if temperature == 0:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    else:
+        params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + j)
+                  for j in range(len(prompts))]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=True)
     return [{"prompt": p, "output": list(o.outputs[0].token_ids)} for p, o in zip(prompts, outs)]
 
@@ -104,14 +115,24 @@ def extract_features(runner, sequences: list[list[int]], layers: tuple[int, ...]
         batch = [seq] if seq is not None else []
 
 
-def _layers_key(layers) -> str:
-    return "-".join(str(x) for x in layers)
+def _pass_suffix(index: int) -> str:
+    return f"-sampled-{index}" if index else ""
 
 
-def write_features(runner, data_dir: str, seqs: list[dict], layers: tuple[int, ...]) -> str:
-    """Computes and stores the features of every sequence (float16); returns their folder."""
+def _continuations_path(data_dir: str, index: int) -> str:
+    return os.path.join(data_dir, f"continuations{_pass_suffix(index)}.json")
+
+
+def _features_folder(data_dir: str, layers, index: int) -> str:
+    return os.path.join(data_dir, "features-" + "-".join(str(x) for x in layers) + _pass_suffix(index))
+
+
+def write_features(runner, data_dir: str, seqs: list[dict], layers: tuple[int, ...],
+                   index: int = 0) -> str:
+    """Computes and stores the features of every sequence of pass ``index`` (float16);
+    returns their folder."""
     from tqdm import tqdm
-    folder = os.path.join(data_dir, f"features-{_layers_key(layers)}")
+    folder = _features_folder(data_dir, layers, index)
     lengths = [len(s["prompt"]) + len(s["output"]) for s in seqs]
     offsets = np.cumsum([0] + lengths).astype(np.int64)
     if os.path.isfile(os.path.join(folder, "done")):
@@ -134,11 +155,12 @@ def write_features(runner, data_dir: str, seqs: list[dict], layers: tuple[int, .
     return folder
 
 
-def load_sequences(data_dir: str, layers: tuple[int, ...]) -> list[TrainSequence]:
-    """The cached continuations with their features (memory-mapped, widened per sequence)."""
-    with open(os.path.join(data_dir, "continuations.json")) as f:
+def load_sequences(data_dir: str, layers: tuple[int, ...], index: int = 0) -> list[TrainSequence]:
+    """Pass ``index``'s cached continuations with their features (memory-mapped, widened per
+    sequence)."""
+    with open(_continuations_path(data_dir, index)) as f:
         seqs = json.load(f)["sequences"]
-    folder = os.path.join(data_dir, f"features-{_layers_key(layers)}")
+    folder = _features_folder(data_dir, layers, index)
     aux = np.load(os.path.join(folder, "aux.npy"), mmap_mode="r")
     final = np.load(os.path.join(folder, "final.npy"), mmap_mode="r")
     offsets = np.load(os.path.join(folder, "offsets.npy"))
@@ -147,40 +169,52 @@ def load_sequences(data_dir: str, layers: tuple[int, ...]) -> list[TrainSequence
         lo, hi = int(offsets[i]), int(offsets[i + 1])
         out.append(TrainSequence(torch.tensor(s["prompt"] + s["output"], dtype=torch.int64),
                                  len(s["prompt"]), torch.from_numpy(aux[lo:hi].astype(np.float32)),
-                                 torch.from_numpy(final[lo:hi].astype(np.float32))))
+                                 torch.from_numpy(final[lo:hi].astype(np.float32)),
+                                 prompt_index=i, sampled=index > 0))
     return out
 
 
 # facts of caches written before the key existed
-_FACTS_BEFORE = {"turns": "first"}
+_FACTS_BEFORE = {"turns": "first", "temperature": 0.0}
 
 
 def prepare(llm, data_dir: str, layers: tuple[int, ...], num_prompts: int, max_tokens: int,
             max_prompt_tokens: int, seed: int, model_name: str,
-            prompts: Optional[list[list[int]]] = None, turns: str = "first") -> list[TrainSequence]:
-    """Continuations (cached in ``data_dir`` unless its facts differ) + features for
-    ``layers`` -> sequences. ``prompts``: token-id prompts instead of ShareGPT's (tests)."""
+            prompts: Optional[list[list[int]]] = None, turns: str = "first",
+            sampled_passes: int = 0, temperature: float = 0.8) -> list[TrainSequence]:
+    """Continuations (each pass cached in ``data_dir`` unless its facts differ) + features for
+    ``layers`` -> sequences: the greedy pass, then ``sampled_passes`` passes sampled at
+    ``temperature``. ``prompts``: token-id prompts instead of ShareGPT's (tests)."""
+    if sampled_passes < 0 or (sampled_passes and not temperature > 0):
+        raise ValueError(f"sampled passes need a count >= 0 and a temperature > 0, got "
+                         f"{sampled_passes} at {temperature}")
     os.makedirs(data_dir, exist_ok=True)
-    path = os.path.join(data_dir, "continuations.json")
     facts = {"model": model_name, "num_prompts": num_prompts, "max_tokens": max_tokens,
              "max_prompt_tokens": max_prompt_tokens, "seed": seed,
              "source": "ids" if prompts is not None else "sharegpt-calibration", "turns": turns}
-    cached = None
-    if os.path.isfile(path):
-        with open(path) as f:
-            cached = json.load(f)
-    if cached is None or any(cached.get(k, _FACTS_BEFORE.get(k)) != v for k, v in facts.items()):
-        if prompts is None:
-            prompts = calibration_prompts(llm.get_tokenizer(), num_prompts, max_prompt_tokens, seed,
-                                          turns=turns)
-        seqs = generate_continuations(llm, prompts[:num_prompts], max_tokens)
-        with open(path + ".tmp", "w") as f:
-            json.dump({**facts, "sequences": seqs}, f)
-        os.replace(path + ".tmp", path)
-    else:
-        seqs = cached["sequences"]
-    write_features(llm.engine.runner, data_dir, seqs, tuple(layers))
-    return load_sequences(data_dir, tuple(layers))
+    out = []
+    for index in range(1 + sampled_passes):
+        pass_facts = {**facts, "temperature": temperature if index else 0.0}
+        path = _continuations_path(data_dir, index)
+        cached = None
+        if os.path.isfile(path):
+            with open(path) as f:
+                cached = json.load(f)
+        if cached is None or any(cached.get(k, _FACTS_BEFORE.get(k)) != v for k, v in pass_facts.items()):
+            if prompts is None:
+                prompts = calibration_prompts(llm.get_tokenizer(), num_prompts, max_prompt_tokens,
+                                              seed, turns=turns)
+            # pass i's prompt j draws from seed (seed + i) * 1_000_003 + j: no two share one
+            seqs = generate_continuations(llm, prompts[:num_prompts], max_tokens,
+                                          pass_facts["temperature"], (seed + index) * 1_000_003)
+            with open(path + ".tmp", "w") as f:
+                json.dump({**pass_facts, "sequences": seqs}, f)
+            os.replace(path + ".tmp", path)
+        else:
+            seqs = cached["sequences"]
+        write_features(llm.engine.runner, data_dir, seqs, tuple(layers), index)
+        out += load_sequences(data_dir, tuple(layers), index)
+    return out
 
 
 def choose_draft_vocab(data, vocab_size: int, size: int) -> torch.Tensor:
@@ -207,9 +241,15 @@ def choose_draft_vocab(data, vocab_size: int, size: int) -> torch.Tensor:
 
 
 def split_heldout(seqs: list[TrainSequence], fraction: float, seed: int):
-    """(train, held-out): a seeded random ``fraction`` of the sequences held out."""
-    order = list(range(len(seqs)))
+    """(train, held-out): a seeded random ``fraction`` of the greedy sequences held out, and
+    every sampled continuation of a held-out prompt left out of training (it would leak the
+    prompt). Sequences without a prompt index count as distinct prompts."""
+    keys = [s.prompt_index if s.prompt_index >= 0 else -1 - i for i, s in enumerate(seqs)]
+    greedy = [i for i, s in enumerate(seqs) if not s.sampled]
+    order = list(range(len(greedy)))
     random.Random(seed).shuffle(order)
-    n = max(1, int(round(len(seqs) * fraction))) if len(seqs) > 1 else 0
-    held = set(order[:n])
-    return [s for i, s in enumerate(seqs) if i not in held], [s for i, s in enumerate(seqs) if i in held]
+    n = max(1, int(round(len(greedy) * fraction))) if len(greedy) > 1 else 0
+    held = {greedy[j] for j in order[:n]}
+    held_keys = {keys[i] for i in held}
+    train = [s for i, s in enumerate(seqs) if i not in held and keys[i] not in held_keys]
+    return train, [s for i, s in enumerate(seqs) if i in held]
