@@ -52,12 +52,13 @@ def _greedy(n):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-def _run_recording(model_dir, ref, fused: bool, monkeypatch, **kw):
+def _run_recording(model_dir, ref, fused: bool, monkeypatch, layers=LAYERS, **kw):
     if not fused:
         monkeypatch.setattr(fused_stack, "forward", lambda *a, **k: None)
     llm = LLM(model=model_dir, skip_tokenizer_init=True, num_kv_blocks=128, block_size=4,
               speculative_config=dict(method="ngram", num_speculative_tokens=3, adaptive=False), **kw)
     proposer = RecordingProposer(ref)
+    proposer.aux_layers = layers
     llm.engine.runner.spec.proposer = proposer
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy(12), use_tqdm=False)
     monkeypatch.undo()
@@ -109,7 +110,8 @@ def test_every_verified_position_gets_its_layer_outputs_once(model_dir, referenc
 
 
 @pytest.mark.skipif(not native.buildable(), reason="no C compiler, or a CPU without AVX2")
-def test_the_c_stack_captures_the_modules_bits(model_dir, reference, monkeypatch):
+@pytest.mark.parametrize("layers", [LAYERS, (1, 0, 2), (1,)])
+def test_the_c_stack_captures_the_modules_bits(model_dir, reference, monkeypatch, layers):
     used = []
     real = fused_stack.forward
 
@@ -118,9 +120,9 @@ def test_the_c_stack_captures_the_modules_bits(model_dir, reference, monkeypatch
         used.append(out is not None)
         return out
     monkeypatch.setattr(fused_stack, "forward", counting)
-    fused_outs, fused_calls = _run_recording(model_dir, reference, True, monkeypatch,
+    fused_outs, fused_calls = _run_recording(model_dir, reference, True, monkeypatch, layers,
                                              enable_prefix_caching=False)
-    plain_outs, plain_calls = _run_recording(model_dir, reference, False, monkeypatch,
+    plain_outs, plain_calls = _run_recording(model_dir, reference, False, monkeypatch, layers,
                                              enable_prefix_caching=False)
     assert any(used), "the C stack never ran"
     assert fused_outs == plain_outs
@@ -129,4 +131,5 @@ def test_the_c_stack_captures_the_modules_bits(model_dir, reference, monkeypatch
     for req_id in a:
         assert a[req_id].keys() == b[req_id].keys()
         for p in a[req_id]:
+            assert a[req_id][p][1].shape == (len(layers) * 64,)
             assert torch.equal(a[req_id][p][1], b[req_id][p][1])

@@ -63,6 +63,8 @@ def test_layer_ids_outside_the_target_are_refused():
     from tokenmill.spec.draft_input import validate_aux_layers
     with pytest.raises(ValueError, match="outside the target"):
         validate_aux_layers((1, 4), 4, "eagle3")
+    with pytest.raises(ValueError, match="twice"):     # the C stack writes one column block each
+        validate_aux_layers((1, 2, 1), 4, "eagle3")
 
 
 class _Interrupt(Exception):

@@ -153,7 +153,10 @@ int tm_llama_decode(float *x, int64_t T, int64_t H, int64_t L, const int64_t *la
                     const int64_t *slots, int64_t bs, const int64_t *block_tables,
                     int64_t bt_stride, int64_t B, const int64_t *q_start,
                     const int64_t *q_len, const int64_t *seq_len,
-                    float *scratch, float *ffn_in, int q8, int nthreads) {
+                    float *scratch, float *ffn_in, int q8, int nthreads,
+                    float *aux, const int64_t *aux_col, int64_t n_aux) {
+    /* aux [T, n_aux * H] (or NULL): after layer l, column block aux_col[l] >= 0 gets a copy of
+     * x, so a drafter's layer features need no call of their own (no copy: aux_col[l] < 0) */
     const dec_step s = {T, H, Hq, Hkv, D, I, pos, slots, block_tables, q_start, q_len, seq_len,
                         bs, bt_stride, B, kv_dt, q8, nthreads};
     const dec_bufs w = carve(scratch, &s);
@@ -169,6 +172,9 @@ int tm_llama_decode(float *x, int64_t T, int64_t H, int64_t L, const int64_t *la
         }
         if (mlp(ld, &s, &w)) return 2;
         ffn_residual(ld, &s, x, &w);
+        if (aux && aux_col[l] >= 0)
+            for (int64_t r = 0; r < T; r++)
+                memcpy(aux + (r * n_aux + aux_col[l]) * H, x + r * H, sizeof(float) * (size_t)H);
     }
     return 0;
 }

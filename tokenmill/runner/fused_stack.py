@@ -54,8 +54,8 @@ def forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, 
 def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                meta, backend, aux=None) -> Optional[torch.Tensor]:
     """x [T, hidden] embeddings -> the stack's output (before the final norm), or None when
-    the fused path does not apply. With ``aux`` the C stack stops after each layer it wants
-    (one call per run of layers), so the captured rows are the module path's bits."""
+    the fused path does not apply. With ``aux`` the C stack copies the outputs of the layers
+    it wants as it goes (the module path's bits, still one call)."""
     t = x.shape[0]
     if not (may_apply(model, t, meta, backend) and is_fp32_cpu(x) and positions.dtype is torch.int64):
         return None
@@ -83,7 +83,7 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
     slots = meta.slot_mapping.contiguous()
     kc, vc, ks, vs, kv_code = caches
 
-    def call(first: int, count: int, ffn_in) -> None:
+    def call(first: int, count: int, ffn_in, aux_out=None, aux_cols=None) -> None:
         def at(addresses):   # the address array from layer ``first`` on
             return None if addresses is None else addresses.data_ptr() + 8 * first
         failed = native.library().tm_llama_decode(
@@ -92,18 +92,19 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
             tables.data_ptr(), tables.shape[1], len(meta.query_lens), q_start.data_ptr(),
             q_len.data_ptr(), seq_len.data_ptr(), scratch.data_ptr(),
             None if ffn_in is None else ffn_in.data_ptr(), int(activations == "q8"),
-            torch.get_num_threads())
+            torch.get_num_threads(), None if aux_out is None else aux_out.data_ptr(),
+            None if aux_cols is None else aux_cols.data_ptr(), 0 if aux is None else len(aux.layers))
         if failed:
             raise MemoryError("fused decode: the " + ("attention" if failed == 1 else "quantized matmul")
                               + " kernel could not allocate its buffer")
 
     if plan.moe_ffns is None:
-        first = 0
-        for end in _segment_ends(plan.num_layers, aux):
-            call(first, end - first, None)
-            if aux is not None and aux.wants(end - 1):
-                aux.offer(end - 1, x.clone())   # the C calls go on updating x in place
-            first = end
+        if aux is None:
+            call(0, plan.num_layers, None)
+        else:   # one call: the C stack copies each wanted layer's output into its columns
+            joined = torch.empty(t, len(aux.layers) * h, dtype=torch.float32)
+            call(0, plan.num_layers, None, joined, aux_columns(aux.layers, plan.num_layers))
+            aux.offer_joined(joined)
         return x
     ffn_in = torch.empty(t, h, dtype=torch.float32)
     for layer, ffn in enumerate(plan.moe_ffns):
@@ -114,7 +115,10 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
     return x
 
 
-def _segment_ends(num_layers: int, aux) -> list[int]:
-    """Where each C call stops: after every layer ``aux`` wants, and at the end."""
-    wanted = [] if aux is None else [layer + 1 for layer in aux.layers if layer + 1 < num_layers]
-    return sorted(set(wanted)) + [num_layers]
+def aux_columns(layers: tuple[int, ...], num_layers: int) -> torch.Tensor:
+    """[num_layers] int64: the column block of each layer's output in the joined features
+    (the order ``layers`` asks them in), -1 for a layer no one reads."""
+    cols = torch.full((num_layers,), -1, dtype=torch.int64)
+    for i, layer in enumerate(layers):
+        cols[layer] = i
+    return cols

@@ -60,6 +60,12 @@ class AuxCapture:
         self.layers = tuple(layers)
         self._want = {layer: i for i, layer in enumerate(self.layers)}
         self.rows: list[Optional[torch.Tensor]] = [None] * len(self.layers)
+        self._joined: Optional[torch.Tensor] = None
+
+    def offer_joined(self, joined: torch.Tensor) -> None:
+        """Every wanted layer at once: ``joined`` [T, len(layers) * hidden] in the order asked."""
+        self._joined = joined
+        self.rows = list(joined.chunk(len(self.layers), dim=-1))
 
     def offer(self, layer: int, x: torch.Tensor) -> None:
         i = self._want.get(layer)
@@ -74,7 +80,7 @@ class AuxCapture:
         missing = [layer for layer, r in zip(self.layers, self.rows) if r is None]
         if missing:
             raise RuntimeError(f"the forward did not offer decoder layers {missing}")
-        return torch.cat(self.rows, dim=-1)
+        return self._joined if self._joined is not None else torch.cat(self.rows, dim=-1)
 
 
 class PendingFeatures:
@@ -150,4 +156,6 @@ def validate_aux_layers(layers: tuple[int, ...], num_layers: int, who: str) -> t
     if bad:
         raise ValueError(f"{who}: target layer ids {bad} outside the target's {num_layers} "
                          f"decoder layers (0..{num_layers - 1})")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"{who}: target layer ids {list(layers)} name a layer twice")
     return layers
