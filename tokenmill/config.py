@@ -162,7 +162,9 @@ class SpeculativeConfig:
     drafter weights (medusa / eagle / eagle3 / dflash; None = random weights, for exactness
     tests). ``num_layers``:
     target layers a layer_skip draft runs. ``adaptive``: pick k per step (0..k) from measured
-    cost and acceptance instead of always k."""
+    cost and acceptance instead of always k. ``ngram_first``: a request whose context repeats
+    itself gets prompt-lookup drafts (prompt_lookup_min / max), the method's drafter drafts
+    for the others."""
 
     method: str
     num_speculative_tokens: int = 4
@@ -173,6 +175,7 @@ class SpeculativeConfig:
     adaptive: bool = True
     seed: int = 0                          # random medusa / eagle heads
     quantization: Optional[str] = None     # "int8": serve an eagle3 / dflash drafter's linears in int8
+    ngram_first: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in _SPEC_METHODS:
@@ -191,6 +194,11 @@ class SpeculativeConfig:
             if self.method not in ("eagle3", "dflash"):
                 raise ValueError(f"speculative quantization applies to eagle3 and dflash drafters, "
                                  f"not {self.method!r}")
+        if not isinstance(self.ngram_first, bool):
+            raise ValueError(f"ngram_first must be true or false, got {self.ngram_first!r}")
+        if self.ngram_first and self.method == "ngram":
+            raise ValueError("ngram_first puts prompt lookup before another method's drafter; "
+                             "the method is already 'ngram'")
         if self.num_layers is not None and (not isinstance(self.num_layers, int) or self.num_layers < 1):
             raise ValueError(f"num_layers must be a positive integer, got {self.num_layers!r}")
 

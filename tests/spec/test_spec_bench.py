@@ -54,3 +54,21 @@ def test_method_names_choose_adaptive_and_int8_drafters():
     assert got["ngram"].quantization is None
     with pytest.raises(ValueError, match="unknown method"):
         bench._configs(["ngram_int8"], args)
+    both = bench._configs(["adaptive_ngram_eagle3_int8", "adaptive_ngram"], args)
+    c = both["adaptive_ngram_eagle3_int8"]
+    assert (c.method, c.ngram_first, c.quantization, c.adaptive, c.model,
+            c.prompt_lookup_min, c.prompt_lookup_max) == ("eagle3", True, "int8", True, "/d/e", 2, 4)
+    assert (both["adaptive_ngram"].method, both["adaptive_ngram"].ngram_first) == ("ngram", False)
+    with pytest.raises(ValueError, match="unknown method"):
+        bench._configs(["ngram_ngram"], args)
+
+
+def test_lookup_share_counts_requests_by_source():
+    from tokenmill.spec.lookup_first import LookupFirstProposer
+    from tokenmill.spec.ngram import NgramProposer
+    p = LookupFirstProposer(NgramProposer(2, 4), NgramProposer(1, 1))
+    assert bench._lookup_share(p) is None and bench._lookup_share(NgramProposer(1, 2)) is None
+    p.drafts_by.update(lookup=3, drafter=1)
+    assert bench._lookup_share(p) == 0.75
+    p.reset_counts()
+    assert p.drafts_by == {"lookup": 0, "drafter": 0}

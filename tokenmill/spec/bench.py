@@ -15,8 +15,9 @@ this is nearly all decoding), ratio over no speculation (median of per-round rat
 acceptance length tau (tokens per target forward for a drafted request, bonus included),
 acceptance rate, per-position acceptance (accepted at position j / drafts), the engine's own
 estimated speedup (tokenmill.spec.metrics) for comparison with the measured ratio, the k the
-adaptive controller chose, and the share of outputs identical to no speculation (greedy at
-temperature 0; per-request seeds at temperature > 0, where speculation is exact too).
+adaptive controller chose, the share of outputs identical to no speculation (greedy at
+temperature 0; per-request seeds at temperature > 0, where speculation is exact too), and for
+ngram_<method> rows the share of drafted-for requests that prompt lookup served.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import functools
 import statistics
 import sys
 import time
+from typing import Optional
 
 from tokenmill.bench.common import emit, machine_info
 from tokenmill.bench.report import Chart, add_output_args, progress
@@ -76,7 +78,8 @@ def add_parser(sub) -> None:
     p.add_argument("--methods", "--configs", dest="methods",
                    default="ngram,adaptive_ngram,layer_skip,adaptive_layer_skip",
                    help=f"comma list of {', '.join(METHODS)}, each optionally adaptive_<method>; "
-                        "eagle3_int8 / dflash_int8: the drafter served in int8")
+                        "eagle3_int8 / dflash_int8: the drafter served in int8; ngram_<method>: "
+                        "prompt lookup where it finds a match, the method's drafter elsewhere")
     p.add_argument("--layer-skip-layers", type=int, default=8)
     p.add_argument("--draft-model", default=None, help="checkpoint for draft_model")
     p.add_argument("--drafter", action="append", default=[], metavar="METHOD=DIR",
@@ -127,19 +130,23 @@ def _configs(names: list[str], args) -> dict:
     out = {}
     for name in names:
         method = name.removeprefix("adaptive_")
+        ngram_first = method.startswith("ngram_")
+        method = method.removeprefix("ngram_")
         quantization = None
         if method in ("eagle3_int8", "dflash_int8"):
             method, quantization = method.removesuffix("_int8"), "int8"
-        if method not in METHODS:
+        if method not in METHODS or (ngram_first and method == "ngram"):
             raise ValueError(f"unknown method {name!r}; choose from {METHODS} (or adaptive_<method>, "
-                             "eagle3_int8, dflash_int8)")
-        extra = {"ngram": dict(prompt_lookup_min=2, prompt_lookup_max=4),
-                 "layer_skip": dict(num_layers=args.layer_skip_layers)}.get(method, {})
+                             "ngram_<method>, eagle3_int8, dflash_int8)")
+        lookup = dict(prompt_lookup_min=2, prompt_lookup_max=4)
+        extra = {"ngram": lookup, "layer_skip": dict(num_layers=args.layer_skip_layers)}.get(method, {})
         if method in TRAINED:
             path = drafters.get(method) or (args.draft_model if method == "draft_model" else None)
             if not path:
                 raise ValueError(f"method {name!r} needs a trained drafter: --drafter {method}=DIR")
             extra = dict(model=path, quantization=quantization)
+        if ngram_first:
+            extra = dict(extra, ngram_first=True, **lookup)
         out[name] = SpeculativeConfig(method=method, num_speculative_tokens=args.k,
                                       adaptive=name.startswith("adaptive_"), **extra)
     return out
@@ -234,7 +241,15 @@ def _row_stats(dec, rounds: list[float], ratios: list[float], same: float) -> di
             "tau": round(s.mean_acceptance_length, 3), "acceptance_rate": round(s.acceptance_rate, 3),
             "accepted_per_position": per_pos, "est_speedup": round(s.estimated_speedup, 3),
             "identical": round(same, 3),
-            "k_chosen": " ".join(f"{k}:{n}" for k, n in sorted(s.k_chosen.items()))}
+            "k_chosen": " ".join(f"{k}:{n}" for k, n in sorted(s.k_chosen.items())),
+            "lookup_share": _lookup_share(dec.proposer)}
+
+
+def _lookup_share(proposer) -> Optional[float]:
+    """ngram_<method>: the share of drafted-for requests prompt lookup served (None otherwise)."""
+    by = getattr(proposer, "drafts_by", None)
+    total = sum(by.values()) if by else 0
+    return round(by["lookup"] / total, 3) if total else None
 
 
 def _salted(prompts: list[dict], dec, name: str) -> list[dict]:

@@ -93,6 +93,8 @@ class SpecDecoder:
     def reset_stats(self) -> None:
         """Fresh counters (the adaptive controller and c(B) keep what they learned)."""
         self.stats = SpecDecodingStats(self.k_max)
+        if hasattr(self.proposer, "reset_counts"):
+            self.proposer.reset_counts()
 
     def _cap(self, state, k: int) -> int:
         """Drafts a request can take: none past max_model_len, and a lookahead drafter must
@@ -213,6 +215,10 @@ def build_spec_decoder(config: SpeculativeConfig, runner, max_model_len: int, nu
     else:
         proposer = EagleProposer(build_eagle(config.model, target, config.seed, runner.device),
                                  target, runner.backend, runner.device)
+    if config.ngram_first:
+        from tokenmill.spec.lookup_first import LookupFirstProposer
+        proposer = LookupFirstProposer(NgramProposer(config.prompt_lookup_min,
+                                                     config.prompt_lookup_max), proposer)
     # a drafter may draft fewer per step than asked (DFlash: block size - 1)
     k = min(k, getattr(proposer, "max_drafts", k))
     return SpecDecoder(config, proposer, max_model_len, runner.block_size, k_max=k)
