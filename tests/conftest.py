@@ -54,6 +54,15 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def looping_llama_dir(tmp_path_factory):
+    """Tiny Llama with larger weights: its greedy continuations have structure (runs, cycles)
+    that a drafter can learn and prompt lookup can match."""
+    path = tmp_path_factory.mktemp("looping_llama")
+    save_tiny_llama(path, num_hidden_layers=4, seed=3, initializer_range=0.12)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_hf(tiny_llama_dir):
     import transformers
     return transformers.LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()

@@ -19,22 +19,13 @@ def lookup_first_llm(model_dir, **kw):
 
 
 @pytest.fixture(scope="module")
-def looping_dir(tmp_path_factory):
-    from tests.conftest import save_tiny_llama
-    path = tmp_path_factory.mktemp("looping_llama")
-    # larger weights: greedy output falls into cycles now and then, where lookup finds matches
-    save_tiny_llama(path, num_hidden_layers=4, seed=3, initializer_range=0.12)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def plain_outputs(looping_dir):
-    llm = LLM(model=looping_dir, skip_tokenizer_init=True, num_kv_blocks=256, num_threads=1)
+def plain_outputs(looping_llama_dir):
+    llm = LLM(model=looping_llama_dir, skip_tokenizer_init=True, num_kv_blocks=256, num_threads=1)
     return run(llm, PROMPTS, n=40)
 
 
-def test_greedy_equals_plain_with_both_sources_drafting(looping_dir, plain_outputs):
-    llm = lookup_first_llm(looping_dir)
+def test_greedy_equals_plain_with_both_sources_drafting(looping_llama_dir, plain_outputs):
+    llm = lookup_first_llm(looping_llama_dir)
     runner = llm.engine.runner
     proposer = runner.spec.proposer
     assert isinstance(proposer, LookupFirstProposer) and isinstance(proposer.drafter, Eagle3Proposer)
@@ -50,15 +41,15 @@ def test_greedy_equals_plain_with_both_sources_drafting(looping_dir, plain_outpu
     assert mem["num_free_blocks"] == mem["num_total_blocks"]
 
 
-def test_seeded_sampling_equals_plain(looping_dir):
+def test_seeded_sampling_equals_plain(looping_llama_dir):
     params = [SamplingParams(temperature=1.0, max_tokens=24, seed=7 + i, ignore_eos=True)
               for i in range(len(PROMPTS))]
 
     def sample(llm):
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
-    plain = sample(LLM(model=looping_dir, skip_tokenizer_init=True, num_kv_blocks=256, num_threads=1))
-    assert sample(lookup_first_llm(looping_dir)) == plain
+    plain = sample(LLM(model=looping_llama_dir, skip_tokenizer_init=True, num_kv_blocks=256, num_threads=1))
+    assert sample(lookup_first_llm(looping_llama_dir)) == plain
 
 
 @pytest.mark.parametrize("extra, match", [

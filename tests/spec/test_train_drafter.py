@@ -19,12 +19,8 @@ PROMPTS = [[random.Random(i).randrange(3, 380) for _ in range(random.Random(-i).
 
 
 @pytest.fixture(scope="module")
-def target_dir(tmp_path_factory):
-    from tests.conftest import save_tiny_llama
-    path = tmp_path_factory.mktemp("train_target")
-    # small weights: greedy continuations with structure (runs, cycles) a drafter can learn
-    save_tiny_llama(path, num_hidden_layers=4, seed=3, initializer_range=0.12)
-    return str(path)
+def target_dir(looping_llama_dir):
+    return looping_llama_dir
 
 
 @pytest.fixture(scope="module")
