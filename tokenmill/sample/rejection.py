@@ -19,13 +19,12 @@ Two kinds of drafts:
 - *point drafts* (``draft_probs`` None): the drafter chose x_j deterministically (n-gram
   lookup, greedy drafters), i.e. q_j is one-hot at x_j. Then the rule accepts with probability
   p_j(x_j), and the residual is p_j without x_j. We draw t_j ~ p_j at every row with the plain
-  sampler (the same inverse-CDF draw, the same per-(seed, position) noise) and accept x_j iff
+  sampler (the same exponential race, the same per-(seed, position) noise) and accept x_j iff
   t_j == x_j; on the first mismatch t_j *is* a residual draw, and after k matches t_k is the
   bonus. Same law as the rule, and a seeded request emits the very tokens it would emit
   without speculation, whatever k is. Greedy rows take the argmax: accept while it matches.
 - *probability drafts* (``draft_probs`` [num_drafts, V]): x_j ~ q_j; accept when
-  u_j * q_j(x_j) <= p_j(x_j) with u_j ~ U(0, 1); recovered tokens are drawn from
-  max(0, p_j - q_j).
+  u_j * q_j(x_j) <= p_j(x_j) with u_j ~ U(0, 1); recovered tokens race on max(0, p_j - q_j).
 """
 from __future__ import annotations
 
@@ -132,7 +131,7 @@ class RejectionSampler:
         residual = (p - q).clamp_min_(0.0)
         empty = residual.sum(dim=-1, keepdim=True) <= 0    # p == q: x was accepted surely
         residual = torch.where(empty, p, residual)
-        final = sample_from_probs(residual, _all_random(meta, p.device))   # [N]
+        final = sample_from_probs(residual, _all_random(meta, p.device), self.sampler.argmax)   # [N]
         uniform = _uniforms(meta, p.shape[0], p.device)                      # [N]
         p_x = p[rows, drafts]
         q_x = q[rows, drafts]
@@ -166,8 +165,8 @@ def _without_logprobs(meta: SamplingMetadata) -> SamplingMetadata:
 
 
 def _all_random(meta: SamplingMetadata, device) -> SamplingMetadata:
-    """The row noise for sample_from_probs over all N rows: greedy rows draw too, but their
-    distribution is one-hot, so the draw returns their argmax whatever the noise."""
+    """The row noise for sample_from_probs over all N rows: greedy rows race too, but their
+    distribution is one-hot, so the race returns their argmax whatever the noise."""
     if meta.all_random:
         return meta
     seeded = [(meta.random_row_ids[pos], g) for pos, g in meta.seeded_random]
@@ -179,7 +178,7 @@ def _all_random(meta: SamplingMetadata, device) -> SamplingMetadata:
 
 
 def _uniforms(meta: SamplingMetadata, num_rows: int, device) -> torch.Tensor:
-    """[N] U(0,1): seeded random rows draw from their own generator (after their sampling draw)."""
+    """[N] U(0,1): seeded random rows draw from their own generator (after their race noise)."""
     u = torch.rand(num_rows, generator=meta.shared_generator, device=device)
     for pos, generator in meta.seeded_random:
         u[meta.random_row_ids[pos]] = torch.rand(1, generator=generator, device=device)[0]
