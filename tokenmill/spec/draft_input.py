@@ -72,9 +72,6 @@ class AuxCapture:
         if i is not None:
             self.rows[i] = x.float()
 
-    def wants(self, layer: int) -> bool:
-        return layer in self._want
-
     def concat(self) -> torch.Tensor:
         """[T, len(layers) * hidden], layers in the order asked."""
         missing = [layer for layer, r in zip(self.layers, self.rows) if r is None]
