@@ -18,6 +18,7 @@ layers, so a rank would return its partial sums as if they were the hidden state
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -115,9 +116,11 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
     return x
 
 
+@functools.lru_cache(maxsize=8)
 def aux_columns(layers: tuple[int, ...], num_layers: int) -> torch.Tensor:
     """[num_layers] int64: the column block of each layer's output in the joined features
-    (the order ``layers`` asks them in), -1 for a layer no one reads."""
+    (the order ``layers`` asks them in), -1 for a layer no one reads. Built once per layer
+    set (every decode step asks; the C stack only reads it)."""
     cols = torch.full((num_layers,), -1, dtype=torch.int64)
     for i, layer in enumerate(layers):
         cols[layer] = i
