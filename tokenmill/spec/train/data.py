@@ -251,5 +251,5 @@ def split_heldout(seqs: list[TrainSequence], fraction: float, seed: int):
     n = max(1, int(round(len(greedy) * fraction))) if len(greedy) > 1 else 0
     held = {greedy[j] for j in order[:n]}
     held_keys = {keys[i] for i in held}
-    train = [s for i, s in enumerate(seqs) if i not in held and keys[i] not in held_keys]
+    train = [s for i, s in enumerate(seqs) if keys[i] not in held_keys]
     return train, [s for i, s in enumerate(seqs) if i in held]
