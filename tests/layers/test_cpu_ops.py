@@ -260,6 +260,66 @@ def test_paged_attention_reads_int8_cache_like_its_dequantized_values(window):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _kv_caches(kv_dtype, shape, g):
+    """Random K and V caches of a float dtype, or int8 QuantizedKV ones."""
+    if kv_dtype is not torch.int8:
+        return [torch.randn(*shape, generator=g).to(kv_dtype) for _ in range(2)]
+    from tokenmill.layers.attention.kv_quant import QuantizedKV
+    caches = []
+    for _ in range(2):
+        c = QuantizedKV.zeros(shape, torch.int8, "cpu")
+        c.write(torch.randn(shape[0] * shape[1], *shape[2:], generator=g), torch.arange(shape[0] * shape[1]))
+        caches.append(c)
+    return caches
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("d", [64, 48])
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("window", [None, 70])
+def test_a_rows_attention_depends_on_that_row_alone(kv_dtype, d, threads, window):
+    """Speculative decoding is exact only if a verify row equals the decode row at the same
+    position: a row's bits must not depend on its run's length (the first row's context
+    decided whether rows split their keys across threads), nor on the requests beside it.
+    Runs straddle the split threshold (ATT_SPLIT_MIN x threads keys); every row equals that
+    row decoded alone, for runs alone (few requests: split runs in parallel) and batched
+    (many requests: split rows in one task)."""
+    if kv_dtype is torch.int8 and d % 32:
+        pytest.skip("int8 caches need D % 32 == 0")
+    g = torch.Generator().manual_seed(11)
+    hq, hkv, bs, nblocks = 6, 2, 4, 400
+    k_cache, v_cache = _kv_caches(kv_dtype, (nblocks, bs, hkv, d), g)
+    edge = 32 * threads   # keys at which a row splits
+    q_lens = [4, 4, 3, 1, 4, 2, 1]
+    seq_lens = [edge + 2, edge + 1, edge, edge, edge + 40, 20, 3 * edge]
+    tables = shuffled_block_tables(seq_lens, bs, nblocks, g)
+    q = torch.randn(sum(q_lens), hq, d, generator=g)
+
+    def run(rows, lens, seqs, tabs):
+        meta = AttentionMetadata.build(lens, seqs, tabs, bs, "cpu")
+        out = torch.full_like(rows, float("nan"))
+        assert cpu_ops.paged_attention(rows, k_cache, v_cache, meta.block_tables,
+                                       meta.query_start_loc[:-1], torch.tensor(lens),
+                                       meta.seq_lens, 0.125, window, out)
+        return out
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batched = run(q, q_lens, seq_lens, tables)
+        runs, singles, start = [], [], 0
+        for n, s, t in zip(q_lens, seq_lens, tables):
+            runs.append(run(q[start:start + n], [n], [s], [t]))
+            for i in range(n):   # the row decoded alone: its position s - n + i, s - n + i + 1 keys
+                singles.append(run(q[start + i:start + i + 1], [1], [s - n + i + 1], [t]))
+            start += n
+    finally:
+        torch.set_num_threads(saved)
+    singles = torch.cat(singles)
+    assert not singles.isnan().any()
+    assert torch.equal(torch.cat(runs), singles)
+    assert torch.equal(batched, singles)
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 9, 16])   # > 8: the kernel runs 8-row slices
 @pytest.mark.parametrize("n,k", [(4, 8), (37, 576), (1728, 576), (5, 13), (129, 1536)])
 def test_small_m_linear_matches_f_linear(m, n, k):

@@ -322,65 +322,119 @@ static void attend_heads(const float *qv, int64_t Hq, int64_t Hkv, int64_t D,
 #undef ATTEND_HEADS_AS
 }
 
-/* Few requests (fewer than 2 x threads; when D % 32 != 0, fewer KV heads in flight): one
- * query row's keys are split into nthreads runs, each task takes every head over its run
- * (D % 32 == 0: attend_heads, each run one sequential stretch of slot rows; else one pass
- * per KV head), and the partial results merge with the usual max rescaling. Returns
+/* What every row of one call reads: the caches, their layout and the score scale. */
+typedef struct {
+    const void *k_cache, *v_cache;
+    const float *k_scale, *v_scale;
+    int dt;
+    int64_t Hq, Hkv, D, bs;
+    float scale;
+} att_kv;
+
+/* The runs a row of n keys is split into: nthreads once each would get ATT_SPLIT_MIN keys,
+ * else 1. It depends on the row alone, never on the batch around it, so a token's output
+ * has the same bits decoded alone, inside a speculative run or a prefix-cached chunk, and
+ * beside any other requests (the partial sums and their merge round differently from one
+ * pass over the keys). */
+static inline int64_t row_parts(int64_t n, int nthreads) {
+    return nthreads > 1 && nthreads <= 64 && n >= (int64_t)ATT_SPLIT_MIN * nthreads ? nthreads : 1;
+}
+
+/* Run s of S of a row's keys first .. first + n - 1, every head (D % 32 == 0: attend_heads,
+ * one sequential stretch of slot rows; else one pass per KV head): the unnormalized sums
+ * into part [Hq][D], each head's max score and sum of exps into pmax, psum [Hq]. scores:
+ * Hq * (n / S + 1) + 2 Hq floats. */
+static void attend_part(const att_kv *c, const float *qv, const int64_t *table, int64_t first,
+                        int64_t n, int64_t S, int64_t s, float *part, float *pmax, float *psum,
+                        float *scores) {
+    const int64_t Hq = c->Hq, D = c->D, group = Hq / c->Hkv;
+    const int64_t lo = first + n * s / S, hi = first + n * (s + 1) / S;
+    if (hi == lo) {   /* an empty run adds nothing */
+        for (int64_t h = 0; h < Hq; h++) { pmax[h] = -INFINITY; psum[h] = 0.0f; }
+        memset(part, 0, sizeof(float) * (size_t)(Hq * D));
+    } else if (D % 32 == 0) {
+        float *stats = scores + Hq * (hi - lo);
+        attend_heads(qv, Hq, c->Hkv, D, c->k_cache, c->v_cache, c->k_scale, c->v_scale, c->dt,
+                     table, c->bs, lo, hi - lo, c->scale, part, scores, stats, 1);
+        memcpy(pmax, stats, sizeof(float) * (size_t)Hq);
+        memcpy(psum, stats + Hq, sizeof(float) * (size_t)Hq);
+    } else {
+        for (int64_t h0 = 0; h0 < Hq; h0 += group)
+            attend(qv + h0 * D, group, D, c->k_cache, c->v_cache, c->k_scale, c->v_scale, c->dt,
+                   table, c->bs, c->Hkv, h0 / group, lo, hi - lo, c->scale, part + h0 * D,
+                   scores, pmax + h0, psum + h0);
+    }
+}
+
+/* A row's S runs (part [S][Hq][D], pmax / psum [S][Hq]) merged by max rescaling into the
+ * normalized o [Hq][D]. */
+static void merge_parts(const att_kv *c, int64_t S, const float *part, const float *pmax,
+                        const float *psum, float *o) {
+    const int64_t Hq = c->Hq, D = c->D;
+    for (int64_t h = 0; h < Hq; h++) {
+        float m = -INFINITY, total = 0.0f, w[64];
+        for (int64_t s = 0; s < S; s++) if (pmax[s * Hq + h] > m) m = pmax[s * Hq + h];
+        for (int64_t s = 0; s < S; s++) {
+            w[s] = psum[s * Hq + h] > 0.0f ? exp1(pmax[s * Hq + h] - m) : 0.0f;
+            total += w[s] * psum[s * Hq + h];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t d = 0; d < D; d++) {
+            float acc = 0.0f;
+            for (int64_t s = 0; s < S; s++) acc += w[s] * part[(s * Hq + h) * D + d];
+            o[h * D + d] = acc * inv;
+        }
+    }
+}
+
+/* Floats of the runs of a row in S parts: part [S][Hq][D], then pmax and psum [S][Hq]. */
+static inline int64_t parts_floats(const att_kv *c, int64_t S) { return S * c->Hq * (c->D + 2); }
+
+/* A row split in S runs, one after another on this thread (buf: parts_floats, scores as
+ * attend_part's): the same bits as the runs spread over threads (split_rows). */
+static void attend_split_here(const att_kv *c, const float *qv, const int64_t *table,
+                              int64_t first, int64_t n, int64_t S, float *o, float *buf,
+                              float *scores) {
+    float *pmax = buf + S * c->Hq * c->D, *psum = pmax + S * c->Hq;
+    for (int64_t s = 0; s < S; s++)
+        attend_part(c, qv, table, first, n, S, s, buf + s * c->Hq * c->D, pmax + s * c->Hq,
+                    psum + s * c->Hq, scores);
+    merge_parts(c, S, buf, pmax, psum, o);
+}
+
+/* A query row whose keys are split: its index, its request's block table, its keys. */
+typedef struct { int64_t row; const int64_t *table; int64_t first, n; } split_row;
+
+/* Few requests: the S runs of every split row as parallel tasks (schedule(static, 1): with
+ * S = nthreads each thread takes one run of each row), then each row's merge. Returns
  * nonzero if out of memory. */
-static int attend_split(const float *qv, int64_t Hq, int64_t D, const void *k_cache,
-                        const void *v_cache, const float *k_scale, const float *v_scale, int dt,
-                        const int64_t *table, int64_t bs, int64_t Hkv, int64_t first, int64_t n,
-                        float scale, float *o, int nthreads) {
-    const int64_t group = Hq / Hkv, S = nthreads;
-    const int whole_rows = D % 32 == 0;
-    float *part = (float *)malloc(sizeof(float) * (size_t)(S * Hq * (D + 2)));
-    if (!part) return 1;
-    float *pmax = part + S * Hq * D, *psum = pmax + S * Hq;
+static int split_rows(const att_kv *c, const float *q, int64_t q_stride, const split_row *rows,
+                      int64_t nrows, int64_t S, float *out, int nthreads) {
+    const int64_t per_row = parts_floats(c, S), Hq = c->Hq, D = c->D;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(nrows * per_row));
+    if (!buf) return 1;
     int failed = 0;
     #pragma omp parallel for schedule(static, 1) num_threads(nthreads)
-    for (int64_t s = 0; s < S; s++) {
-        const int64_t lo = first + n * s / S, hi = first + n * (s + 1) / S;
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(Hq * (hi - lo) + 2 * Hq + 8));
+    for (int64_t task = 0; task < nrows * S; task++) {
+        const split_row *r = rows + task / S;
+        const int64_t s = task % S;
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(Hq * (r->n / S + 1) + 2 * Hq + 8));
         if (!scores) {
             #pragma omp atomic write
             failed = 1;
             continue;
         }
-        if (hi == lo) {   /* an empty run adds nothing */
-            for (int64_t h = 0; h < Hq; h++) { pmax[s * Hq + h] = -INFINITY; psum[s * Hq + h] = 0.0f; }
-            memset(part + s * Hq * D, 0, sizeof(float) * (size_t)(Hq * D));
-        } else if (whole_rows) {
-            float *stats = scores + Hq * (hi - lo);
-            attend_heads(qv, Hq, Hkv, D, k_cache, v_cache, k_scale, v_scale, dt, table, bs, lo,
-                         hi - lo, scale, part + s * Hq * D, scores, stats, 1);
-            memcpy(pmax + s * Hq, stats, sizeof(float) * (size_t)Hq);
-            memcpy(psum + s * Hq, stats + Hq, sizeof(float) * (size_t)Hq);
-        } else {
-            for (int64_t kvh = 0; kvh < Hkv; kvh++) {
-                const int64_t h0 = kvh * group;
-                attend(qv + h0 * D, group, D, k_cache, v_cache, k_scale, v_scale, dt, table, bs,
-                       Hkv, kvh, lo, hi - lo, scale, part + (s * Hq + h0) * D, scores,
-                       pmax + s * Hq + h0, psum + s * Hq + h0);
-            }
-        }
+        float *part = buf + (task / S) * per_row, *pmax = part + S * Hq * D, *psum = pmax + S * Hq;
+        attend_part(c, q + r->row * q_stride, r->table, r->first, r->n, S, s, part + s * Hq * D,
+                    pmax + s * Hq, psum + s * Hq, scores);
         free(scores);
     }
     if (!failed)
-        for (int64_t h = 0; h < Hq; h++) {
-            float m = -INFINITY, total = 0.0f, w[64];
-            for (int64_t s = 0; s < S; s++) if (pmax[s * Hq + h] > m) m = pmax[s * Hq + h];
-            for (int64_t s = 0; s < S; s++) {
-                w[s] = psum[s * Hq + h] > 0.0f ? exp1(pmax[s * Hq + h] - m) : 0.0f;
-                total += w[s] * psum[s * Hq + h];
-            }
-            const float inv = 1.0f / total;
-            for (int64_t d = 0; d < D; d++) {
-                float acc = 0.0f;
-                for (int64_t s = 0; s < S; s++) acc += w[s] * part[(s * Hq + h) * D + d];
-                o[h * D + d] = acc * inv;
-            }
+        for (int64_t i = 0; i < nrows; i++) {
+            float *part = buf + i * per_row, *pmax = part + S * Hq * D;
+            merge_parts(c, S, part, pmax, pmax + S * Hq, out + rows[i].row * Hq * D);
         }
-    free(part);
+    free(buf);
     return failed;
 }
 
@@ -389,10 +443,40 @@ static inline int64_t window_first(int64_t p, int64_t window) {
     return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
 }
 
+/* The requests of one call: block_tables [B, bt_stride]; request b's query rows q_start[b]
+ * .. + q_len[b] - 1 end at position seq_len[b] - 1; window <= 0: none. */
+typedef struct {
+    const int64_t *block_tables;
+    int64_t bt_stride, B;
+    const int64_t *q_start, *q_len, *seq_len;
+    int64_t window;
+} att_batch;
+
+/* Few requests: every row of the batch (T rows) whose keys split into S runs, through
+ * split_rows; *nrows: how many. Returns nonzero if out of memory. */
+static int split_long_rows(const att_kv *c, const att_batch *a, const float *q, int64_t q_stride,
+                           int64_t T, int64_t S, float *out, int nthreads, int64_t *nrows) {
+    split_row *rows = (split_row *)malloc(sizeof(split_row) * (size_t)(T > 0 ? T : 1));
+    if (!rows) return 1;
+    *nrows = 0;
+    for (int64_t b = 0; b < a->B; b++)
+        for (int64_t i = 0; i < a->q_len[b]; i++) {
+            const int64_t p = a->seq_len[b] - a->q_len[b] + i, first = window_first(p, a->window);
+            if (row_parts(p - first + 1, nthreads) > 1)
+                rows[(*nrows)++] = (split_row){a->q_start[b] + i, a->block_tables + b * a->bt_stride,
+                                               first, p - first + 1};
+        }
+    const int failed = *nrows ? split_rows(c, q, q_stride, rows, *nrows, S, out, nthreads) : 0;
+    free(rows);
+    return failed;
+}
+
 /* One task = one request x a run of query heads: every head when requests alone keep every
  * thread busy (float caches: attend_heads), else the heads sharing a KV head (the
  * whole GQA group when there are enough tasks, else one head); all of that request's
- * query tokens.
+ * query tokens. A row with ATT_SPLIT_MIN x nthreads keys or more is split into nthreads
+ * runs whatever the batch (row_parts): with few requests the runs of all such rows are the
+ * parallel tasks (split_long_rows), with many each is its request task's, run by run.
  * q [T, Hq, D] with q_stride floats between tokens, out [T, Hq, D] contiguous; caches
  * [num_blocks, bs, Hkv, D] of dt: KV_F32, KV_F16, KV_BF16, or KV_I8 with a float scale per
  * slot per KV head (k_scale / v_scale: value = scale[block, offset, head] * int8);
@@ -407,43 +491,36 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
                        int64_t bt_stride, int64_t B, const int64_t *q_start, const int64_t *q_len,
                        const int64_t *seq_len, float scale, int64_t window, float *out,
                        int nthreads) {
-    const int64_t group = Hq / Hkv;
+    const att_kv c = {k_cache, v_cache, k_scale, v_scale, dt, Hq, Hkv, D, bs, scale};
+    const int64_t group = Hq / Hkv, S = row_parts(INT64_MAX, nthreads);
     /* enough requests to keep every thread busy with whole requests: one task per request,
      * all heads at once (sequential cache reads). int8 caches always take it: their per-head
      * path (attend) rounds differently, and one request must not change numbers with the
-     * batch it is in (the context split of few long rows aside) */
+     * batch it is in */
     const int all_heads = D % 32 == 0 && (B >= 2 * nthreads || dt == KV_I8);
     const int64_t G = all_heads ? Hq : (B * Hkv >= 2 * nthreads && group <= ATT_MAX_G) ? group : 1;
     const int64_t runs = Hq / G;   /* head runs per request */
-    int64_t max_len = 1;
-    for (int64_t b = 0; b < B; b++) if (seq_len[b] > max_len) max_len = seq_len[b];
-    int failed = 0;
-    /* tasks the batch offers without a split: one per request for whole-row reads (D % 32
-     * == 0: attend_split reads every head at once), else one per request and KV head */
-    const int64_t tasks = D % 32 == 0 ? B : B * Hkv;
-    if (tasks < 2 * nthreads && nthreads > 1 && nthreads <= 64) {
-        /* few requests: split each row's keys (the window's, if any) across the threads
-         * (long enough rows) */
-        int split_all = 1;
-        for (int64_t b = 0; b < B; b++) {
-            const int64_t keys = seq_len[b] - q_len[b] + 1;
-            if ((window > 0 && window < keys ? window : keys) < ATT_SPLIT_MIN * nthreads) split_all = 0;
-        }
-        if (split_all) {
-            for (int64_t b = 0; b < B && !failed; b++)
-                for (int64_t i = 0; i < q_len[b] && !failed; i++) {
-                    const int64_t row = q_start[b] + i, p = seq_len[b] - q_len[b] + i;
-                    const int64_t first = window_first(p, window);
-                    failed = attend_split(q + row * q_stride, Hq, D, k_cache, v_cache, k_scale,
-                                          v_scale, dt, block_tables + b * bt_stride, bs, Hkv,
-                                          first, p - first + 1, scale, out + row * Hq * D, nthreads);
-                }
-            return failed;
-        }
+    int64_t max_len = 1, T = 0;
+    for (int64_t b = 0; b < B; b++) {
+        if (seq_len[b] > max_len) max_len = seq_len[b];
+        T += q_len[b];
     }
+    /* tasks the batch offers as whole requests: one per request for whole-row reads (D % 32
+     * == 0), else one per request and KV head. Fewer than 2 x threads: the split rows' runs
+     * become the parallel tasks, before the rest */
+    const int few = (D % 32 == 0 ? B : B * Hkv) < 2 * nthreads;
+    if (few && S > 1) {
+        int64_t nrows = 0;
+        const att_batch batch = {block_tables, bt_stride, B, q_start, q_len, seq_len, window};
+        const int failed = split_long_rows(&c, &batch, q, q_stride, T, S, out, nthreads, &nrows);
+        if (failed || nrows == T) return failed;
+    }
+    int failed = 0;
     #pragma omp parallel num_threads(nthreads) if (B * runs > 1)
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(G * max_len + 2 * Hq + 8));
+        const int64_t score_len = G * max_len > Hq * (max_len / S + 1) ? G * max_len : Hq * (max_len / S + 1);
+        const int64_t buf_len = few ? 0 : parts_floats(&c, S);
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(score_len + 2 * Hq + 8 + buf_len));
         if (!scores) {
             #pragma omp atomic write
             failed = 1;
@@ -456,14 +533,21 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
                 const int64_t *table = block_tables + b * bt_stride;
                 for (int64_t i = 0; i < q_len[b]; i++) {
                     const int64_t row = q_start[b] + i, p = ctx + i;
-                    const int64_t first = window_first(p, window);
+                    const int64_t first = window_first(p, window), n = p - first + 1;
+                    if (row_parts(n, nthreads) > 1) {   /* split: done above, or here whole */
+                        if (!few && r == 0)
+                            attend_split_here(&c, q + row * q_stride, table, first, n, S,
+                                              out + row * Hq * D, scores + score_len + 2 * Hq + 8,
+                                              scores);
+                        continue;
+                    }
                     if (all_heads)
                         attend_heads(q + row * q_stride, Hq, Hkv, D, k_cache, v_cache, k_scale,
-                                     v_scale, dt, table, bs, first, p - first + 1, scale,
+                                     v_scale, dt, table, bs, first, n, scale,
                                      out + row * Hq * D, scores, scores + G * max_len, 0);
                     else
                         attend(q + row * q_stride + h0 * D, G, D, k_cache, v_cache, k_scale, v_scale,
-                               dt, table, bs, Hkv, kvh, first, p - first + 1, scale,
+                               dt, table, bs, Hkv, kvh, first, n, scale,
                                out + (row * Hq + h0) * D, scores, NULL, NULL);
                 }
             }
