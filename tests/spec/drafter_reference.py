@@ -1,6 +1,7 @@
 """Pieces the EAGLE-3 and DFlash reference tests share: a request state as proposers read it,
 and RMSNorm written out from its definition."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -21,10 +22,14 @@ def run(llm, prompts, n=20):
 
 @dataclass
 class State:
+    """What a proposer reads of a runner request state (a greedy request)."""
     req_id: str
     all_tokens: list
     block_ids: list
     num_tokens: int
+    output_token_ids: list = field(default_factory=list)
+    params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
+    seed: Optional[int] = None
 
     def tokens(self, start, end):
         return self.all_tokens[start:end]

@@ -16,19 +16,12 @@ from tokenmill.runner.input_builder import ModelInput, RunnerRequestState, build
 from tokenmill.runner.kv_tensors import allocate_kv_caches
 from tokenmill.runner.pooler import pool_rows
 from tokenmill.sample.grammar_mask import bitmask_rows
-from tokenmill.sample.metadata import RowSamplingState, build_sampling_metadata, make_request_generator
+from tokenmill.sample.metadata import (RowSamplingState, build_sampling_metadata, make_request_generator,
+                                       step_seed)
 from tokenmill.sample.rejection import RejectionSampler
 from tokenmill.sample.sampler import Sampler, compute_logprobs, torch_argmax
 from tokenmill.sched.output import SchedulerOutput
 from tokenmill.spec.draft_input import AuxCapture, StepFeatures
-
-_SEED_MIX = 0x9E3779B97F4A7C15
-
-
-def step_seed(seed: int, num_output_tokens: int) -> int:
-    """Seed of a seeded request's draw at one output position: a pure function of (seed,
-    position), so the draw is the same whatever the batch and after preemption."""
-    return (seed * 6364136223846793005 + num_output_tokens * _SEED_MIX + 1442695040888963407) % (2**63)
 
 
 def compile_layers(model: torch.nn.Module, backend) -> None:
@@ -85,18 +78,29 @@ class ModelRunner:
             self.states.pop(req_id, None)
 
     # -- state ------------------------------------------------------------------------------
+    def _request_seed(self, new) -> Optional[int]:
+        """The request's own seed; for a random request without one, a seed drawn from the
+        shared generator when the drafter races with the target's noise (it must read a
+        row's noise before the target draws it). Same law either way."""
+        if new.generator_seed is not None or new.sampling_params is None:
+            return new.generator_seed
+        if new.sampling_params.is_greedy or not (self.spec is not None and self.spec.couples_noise):
+            return None
+        return int(torch.randint(0, 2**62, (1,), generator=self.shared_generator,
+                                 device=self.shared_generator.device))
+
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.states.pop(req_id, None)
         for new in so.scheduled_new_reqs:
-            generator = None
-            if new.generator_seed is not None:
-                generator = make_request_generator(new.generator_seed, self.device)
+            seed, generator = self._request_seed(new), None
+            if seed is not None:
+                generator = make_request_generator(seed, self.device)
             self.states[new.req_id] = RunnerRequestState(
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
                 output_token_ids=list(new.output_token_ids), params=new.sampling_params,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-                seed=new.generator_seed, generator=generator, pooling_params=new.pooling_params)
+                seed=seed, generator=generator, pooling_params=new.pooling_params)
         for cached in so.scheduled_cached_reqs:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)

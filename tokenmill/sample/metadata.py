@@ -75,6 +75,16 @@ class SamplingMetadata:
                 or self.token_bitmask is not None)
 
 
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+def step_seed(seed: int, num_output_tokens: int) -> int:
+    """Seed of a seeded request's draw at one output position: a pure function of (seed,
+    position), so the draw is the same whatever the batch and after preemption, and a
+    drafter can read the noise of a position before the target draws it (spec/coupled.py)."""
+    return (seed * 6364136223846793005 + num_output_tokens * _SEED_MIX + 1442695040888963407) % (2**63)
+
+
 def make_request_generator(seed: int, device) -> torch.Generator:
     """A generator owned by one request; seeds anywhere in int64 are accepted."""
     generator = torch.Generator(device=torch.device(device))

@@ -17,11 +17,11 @@ import torch
 
 from tokenmill.sample.filters import apply_min_p, apply_top_k_top_p
 from tokenmill.sample.logprobs import LogprobsTensors, compute_logprobs
-from tokenmill.sample.metadata import SamplingMetadata
+from tokenmill.sample.metadata import SamplingMetadata, make_request_generator, step_seed
 from tokenmill.sample.penalties import apply_logits_processors
 
 __all__ = ["Argmax", "LogprobsTensors", "SamplerOutput", "Sampler", "compute_logprobs",
-           "filtered_probs", "torch_argmax"]
+           "filtered_probs", "position_noise", "torch_argmax"]
 
 
 @dataclass
@@ -88,6 +88,14 @@ def sample_from_probs(probs: torch.Tensor, meta: SamplingMetadata,
     # A filtered token (p == 0) must never win, not even when every score underflows.
     scores.masked_fill_(probs <= 0, -1.0)
     return argmax(scores)
+
+
+def position_noise(seed: int, position: int, vocab: int, device) -> torch.Tensor:
+    """[vocab] Exp(1) noise of a seeded request's draw at output ``position``: the very values
+    the race above uses for that row (the runner seeds the row's generator the same way)."""
+    generator = make_request_generator(step_seed(seed, position), device)
+    noise = torch.empty(vocab, dtype=torch.float32, device=device).uniform_(generator=generator)
+    return noise.log_().neg_()
 
 
 def _exponential_noise(meta: SamplingMetadata, shape: torch.Size, device: torch.device) -> torch.Tensor:

@@ -38,6 +38,12 @@ class SpecDecoder:
         self._drafted: set[str] = set()     # requests the proposer may hold state for
 
     @property
+    def couples_noise(self) -> bool:
+        """Does the proposer race random rows with the target's noise (spec/coupled.py)? The
+        runner then seeds every random request, so that noise is readable ahead."""
+        return getattr(self.proposer, "couples_noise", False)
+
+    @property
     def num_lookahead_tokens(self) -> int:
         return self.k_max if self.proposer.needs_lookahead else 0
 

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from tokenmill.layers.attention.base import write_kv
+from tokenmill.spec.coupled import draft_tokens
 from tokenmill.spec.trainable import init_weights, quantize_linears
 from tokenmill.spec.drafter_files import load_checked_state, read_drafter_dir
 from tokenmill.spec.draft_input import (DraftInput, PendingFeatures, StepFeatures, last_writes,
@@ -40,10 +41,11 @@ def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> torch
 
 class Eagle3Proposer:
     needs_lookahead = True   # the chain writes entries past the newest token
+    couples_noise = True     # random rows race with the target's noise (spec/coupled.py)
 
     def __init__(self, head: Eagle3Head, target, kv_cache: tuple, features: torch.Tensor,
-                 backend, block_size: int, device) -> None:
-        self.head, self.target = head, target
+                 backend, block_size: int, device, vocab: int) -> None:
+        self.head, self.target, self.vocab = head, target, vocab
         self.kv_cache = kv_cache    # (K, V) [num_blocks, block_size, kv_heads, D]
         self.features = features    # [num_blocks * block_size, hidden]: g of verified positions
         self.backend, self.block_size, self.device = backend, block_size, device
@@ -84,7 +86,7 @@ class Eagle3Proposer:
         write_kv(k[keep], v[keep], self.kv_cache[0], self.kv_cache[1], slots[keep])
 
     def draft(self, states: list, counts: list[int]) -> list[list[int]]:
-        """Greedy chains from each state's newest token, ``counts[i]`` drafts each (never past
+        """Chains from each state's newest token, ``counts[i]`` drafts each (never past
         the slots of its block table)."""
         bs, dev, head = self.block_size, self.device, self.head
         newest = [s.num_tokens - 1 for s in states]
@@ -101,7 +103,9 @@ class Eagle3Proposer:
                 live, tokens, g = [live[j] for j in keep], tokens[index], g[index]
             positions = [newest[i] + step for i in live]
             g = self._forward([states[i] for i in live], positions, tokens, g)
-            tokens = head.to_target(head.logits(g).argmax(-1))
+            tokens = draft_tokens(head.logits(g), [states[i] for i in live],
+                                  [len(states[i].output_token_ids) + step for i in live],
+                                  self.vocab, head.to_target)
             for i, t in zip(live, tokens.tolist()):
                 drafts[i].append(t)
         return drafts
@@ -290,4 +294,4 @@ def build_eagle3_proposer(config, runner, num_blocks: int) -> Eagle3Proposer:
     features = torch.zeros(num_blocks * runner.block_size, c.hidden_size, dtype=dtype,
                            device=runner.device)
     return Eagle3Proposer(head, target, kv, features, runner.backend, runner.block_size,
-                          runner.device)
+                          runner.device, runner.vocab_size)

@@ -17,6 +17,7 @@ class LookupFirstProposer:
     def __init__(self, lookup, drafter) -> None:
         self.lookup, self.drafter = lookup, drafter
         self.needs_lookahead = drafter.needs_lookahead
+        self.couples_noise = getattr(drafter, "couples_noise", False)
         self.aux_layers = drafter.aux_layers
         if hasattr(drafter, "max_drafts"):
             self.max_drafts = drafter.max_drafts

@@ -1,0 +1,81 @@
+"""Drafts that race with the target's noise (spec/coupled.py): a drafter whose distribution is
+the target's proposes the very token the target samples; a reduced draft vocabulary maps its
+noise to the right target ids; greedy rows take the argmax; unseeded random requests are
+seeded by the runner only when the drafter couples."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.sample.metadata import RowSamplingState, build_sampling_metadata, make_request_generator, step_seed
+from tokenmill.sample.sampler import Sampler
+from tokenmill.spec.coupled import draft_tokens
+
+V = 300
+
+
+def target_samples(logits, params, seeds, positions):
+    """What the plain sampler draws for each row, its generator seeded as the runner does."""
+    rows = [RowSamplingState(p, [1], [], make_request_generator(step_seed(s, n), "cpu"))
+            for p, s, n in zip(params, seeds, positions)]
+    return Sampler()(logits, build_sampling_metadata(rows, V, "cpu")).sampled_token_ids
+
+
+def states(params, seeds):
+    return [SimpleNamespace(params=p, seed=s) for p, s in zip(params, seeds)]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_p=0.9),
+                                    SamplingParams(temperature=1.3, top_k=20)])
+def test_a_drafter_with_the_targets_distribution_drafts_the_targets_sample(params):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, V, generator=g) * 2
+    seeds, positions = list(range(7, 47)), [3 * i for i in range(40)]
+    want = target_samples(logits, [params] * 40, seeds, positions)
+    got = draft_tokens(logits, states([params] * 40, seeds), positions, V, lambda ids: ids)
+    assert torch.equal(got, want)
+    # the race is what matches: the drafts are not simply the argmax
+    assert (got != logits.argmax(-1)).sum() > 5
+
+
+def test_a_reduced_vocabulary_races_with_the_noise_of_its_target_ids():
+    g = torch.Generator().manual_seed(1)
+    params = SamplingParams(temperature=1.0)
+    logits = torch.randn(60, V, generator=g) * 2
+    seeds, positions = list(range(60)), [5] * 60
+    want = target_samples(logits, [params] * 60, seeds, positions)
+    kept = torch.randperm(V, generator=g)[:V // 2].sort().values   # draft id d is target id kept[d]
+    got = draft_tokens(logits[:, kept], states([params] * 60, seeds), positions, V, lambda ids: kept[ids])
+    inside = torch.isin(want, kept)   # the target's pick within the draft vocabulary: the same race
+    assert inside.sum() > 15
+    assert torch.equal(got[inside], want[inside])
+
+
+def test_greedy_and_unseeded_rows_take_the_argmax():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, V, generator=g)
+    rows = states([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+                   SamplingParams(temperature=1.0)], [5, None, 9])
+    got = draft_tokens(logits, rows, [0, 0, 0], V, lambda ids: ids)
+    assert got[:2].tolist() == logits[:2].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("method,couples", [("eagle3", True), ("ngram", False)])
+def test_random_requests_get_a_seed_only_when_the_drafter_couples(tiny_llama_dir, method, couples):
+    cfg = dict(method=method, num_speculative_tokens=2)
+    if method == "ngram":
+        cfg.update(prompt_lookup_min=1, prompt_lookup_max=2)
+    llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, speculative_config=cfg, num_kv_blocks=64)
+    engine, seen = llm.engine, {}
+    ids = {"random": engine.add_request(None, {"prompt_token_ids": [3, 4, 5]}, SamplingParams(temperature=1.0, max_tokens=4)),
+           "greedy": engine.add_request(None, {"prompt_token_ids": [3, 4, 6]}, SamplingParams(temperature=0.0, max_tokens=4)),
+           "seeded": engine.add_request(None, {"prompt_token_ids": [3, 4, 7]}, SamplingParams(temperature=1.0, seed=42, max_tokens=4))}
+    engine.step()
+    for name, req_id in ids.items():
+        seen[name] = engine.runner.states[req_id].seed
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert (seen["random"] is not None) == couples
+    assert seen["greedy"] is None
+    assert seen["seeded"] is not None
