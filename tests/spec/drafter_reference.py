@@ -30,6 +30,7 @@ class State:
     output_token_ids: list = field(default_factory=list)
     params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
     seed: Optional[int] = None
+    drawn_noise: dict = field(default_factory=dict)
 
     def tokens(self, start, end):
         return self.all_tokens[start:end]

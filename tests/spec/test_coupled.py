@@ -23,7 +23,7 @@ def target_samples(logits, params, seeds, positions):
 
 
 def states(params, seeds):
-    return [SimpleNamespace(params=p, seed=s) for p, s in zip(params, seeds)]
+    return [SimpleNamespace(params=p, seed=s, drawn_noise={}) for p, s in zip(params, seeds)]
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_p=0.9),
@@ -79,3 +79,22 @@ def test_random_requests_get_a_seed_only_when_the_drafter_couples(tiny_llama_dir
     assert (seen["random"] is not None) == couples
     assert seen["greedy"] is None
     assert seen["seeded"] is not None
+
+
+def test_the_sampler_takes_the_noise_drawn_ahead_and_it_is_the_generators_own():
+    from tokenmill.sample.sampler import position_noise
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, V, generator=g)
+    params = [SamplingParams(temperature=1.0)] * 5 + [SamplingParams(temperature=0.0)]
+    seeds, positions = [11, 12, 13, 14, 15, 16], [0, 4, 9, 9, 2, 1]
+
+    def sample(noise_for):
+        rows = [RowSamplingState(p, [1], [], make_request_generator(step_seed(s, n), "cpu"), noise_for(r))
+                for r, (p, s, n) in enumerate(zip(params, seeds, positions))]
+        return Sampler()(logits, build_sampling_metadata(rows, V, "cpu")).sampled_token_ids
+    plain = sample(lambda r: None)
+    ahead = sample(lambda r: position_noise(seeds[r], positions[r], V, "cpu") if r % 2 else None)
+    assert torch.equal(ahead, plain)
+    rigged = torch.full((V,), 1e30)
+    rigged[7] = 1e-30   # only token 7 can win the race
+    assert sample(lambda r: rigged if r == 1 else None).tolist() == [plain[0].item(), 7, *plain[2:].tolist()]

@@ -25,6 +25,9 @@ class RunnerRequestState:
     seed: Optional[int]
     generator: Optional[torch.Generator] = None
     spec_token_ids: list[int] = field(default_factory=list)   # drafts scheduled this step
+    # output position -> [V] Exp(1) noise a coupled drafter drew ahead (spec/coupled.py);
+    # the sampler takes it instead of drawing the same values again
+    drawn_noise: dict = field(default_factory=dict)
     pooling_params: Optional[PoolingParams] = None   # a prompt-only (pooling) request
     # Pooling so far, float32 [hidden]: the sum of the computed prompt rows (mean) or the
     # newest row (last); chunks of a prompt add to it step by step.
@@ -33,6 +36,13 @@ class RunnerRequestState:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def forget_used_noise(self) -> None:
+        """Drop the drawn noise of positions already emitted; the rest stays valid (a row's
+        noise depends on (seed, position) only), so a rejected draft's position keeps it."""
+        if self.drawn_noise:
+            n = len(self.output_token_ids)
+            self.drawn_noise = {p: row for p, row in self.drawn_noise.items() if p >= n}
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output + this step's drafts, without building the

@@ -206,7 +206,8 @@ class ModelRunner:
             if state.generator is not None:
                 state.generator.manual_seed(step_seed(state.seed, len(state.output_token_ids)))
             rows.append(RowSamplingState(state.params, state.prompt_token_ids,
-                                         state.output_token_ids, state.generator))
+                                         state.output_token_ids, state.generator,
+                                         state.drawn_noise.get(len(state.output_token_ids))))
         meta = build_sampling_metadata(rows, self.vocab_size, self.device, self.shared_generator,
                                        bitmask_rows(grammar_bitmask, inp.sample_req_ids, self.device))
         result = self.sampler(safe_logits, meta)
@@ -220,6 +221,7 @@ class ModelRunner:
                 continue
             state = self.states[req_id]
             state.output_token_ids.append(sampled[row])
+            state.forget_used_noise()
             out.sampled_token_ids[index[req_id]] = [sampled[row]]
             if state.params.logprobs is not None and lp is not None:
                 out.logprobs[req_id] = [_position_logprobs(lp, row, state.params.logprobs)]
@@ -242,7 +244,7 @@ class ModelRunner:
                     step_seed(state.seed, n0 + j), self.device)
                 rows.append(RowSamplingState(state.params, state.prompt_token_ids,
                                              state.output_token_ids + state.spec_token_ids[:j],
-                                             generator))
+                                             generator, state.drawn_noise.get(n0 + j)))
         logits, bad_rows = _zero_nonfinite_rows(logits)
         meta = build_sampling_metadata(rows, self.vocab_size, self.device, self.shared_generator,
                                        bitmask_rows(grammar_bitmask, row_req_ids, self.device))
@@ -262,6 +264,7 @@ class ModelRunner:
                 continue
             state.num_computed_tokens -= num_rejected   # their KV slots are overwritten later
             state.output_token_ids.extend(tokens)
+            state.forget_used_noise()
             out.sampled_token_ids[index[req_id]] = tokens
             if state.params.logprobs is not None and lp is not None:
                 out.logprobs[req_id] = [_position_logprobs(lp, start + j, state.params.logprobs)

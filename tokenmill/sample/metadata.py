@@ -28,6 +28,7 @@ class RowSamplingState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # tokens generated before this step
     generator: Optional[torch.Generator]  # per-request generator when params.seed is set, else None
+    noise: Optional[torch.Tensor] = None  # [V] this row's Exp(1) noise, drawn ahead (spec/coupled.py)
 
 
 @dataclass
@@ -66,6 +67,9 @@ class SamplingMetadata:
     # grammar: [B, ceil(V / 32)] int32 allowed-token bits (tokenmill.sample.grammar_mask)
     token_bitmask: Optional[torch.Tensor] = None
     random_row_ids: list[int] = field(default_factory=list)
+    # seeded rows whose noise a drafter drew ahead: position among random rows -> [V] Exp(1)
+    # noise, the very values their generator would give (sampler.position_noise)
+    drawn_noise: dict = field(default_factory=dict)
 
     @property
     def needs_processing(self) -> bool:
@@ -134,6 +138,8 @@ def _fill_random_rows(meta: SamplingMetadata, rows: list[RowSamplingState],
     if unseeded:
         meta.unseeded_random = torch.tensor(unseeded, dtype=torch.int64, device=device)
     meta.seeded_random = [(j, g) for j, g in enumerate(generators) if g is not None]
+    meta.drawn_noise = {j: rows[i].noise for j, i in enumerate(random_ids)
+                        if rows[i].noise is not None and generators[j] is not None}
 
 
 def _fill_logit_bias(meta: SamplingMetadata, params: list[SamplingParams], device: torch.device) -> None:

@@ -172,7 +172,8 @@ def _all_random(meta: SamplingMetadata, device) -> SamplingMetadata:
     seeded = [(meta.random_row_ids[pos], g) for pos, g in meta.seeded_random]
     seeded_rows = {row for row, _ in seeded}
     unseeded = [row for row in range(meta.num_rows) if row not in seeded_rows]
-    return replace(meta, all_random=True, seeded_random=seeded,
+    drawn = {meta.random_row_ids[pos]: row for pos, row in meta.drawn_noise.items()}
+    return replace(meta, all_random=True, seeded_random=seeded, drawn_noise=drawn,
                    unseeded_random=(torch.tensor(unseeded, dtype=torch.int64, device=device)
                                     if unseeded else None))
 

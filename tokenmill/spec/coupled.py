@@ -27,6 +27,15 @@ def coupled(state) -> bool:
     return state.seed is not None and not state.params.is_greedy
 
 
+def noise_row(state, position: int, vocab: int, device) -> torch.Tensor:
+    """[vocab] the target's noise for ``state`` at output ``position``, drawn once: it is kept
+    in ``state.drawn_noise``, where the runner's sampler takes it instead of drawing it again."""
+    row = state.drawn_noise.get(position)
+    if row is None:
+        row = state.drawn_noise[position] = position_noise(state.seed, position, vocab, device)
+    return row
+
+
 def draft_tokens(logits: torch.Tensor, states: list, positions: list[int], vocab: int,
                  to_target: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """One draft per row of ``logits`` [R, Vd] (float; draft vocabulary, mapped to target ids
@@ -45,7 +54,7 @@ def draft_tokens(logits: torch.Tensor, states: list, positions: list[int], vocab
             top_k = params.top_k if 0 < params.top_k < logits.shape[-1] else logits.shape[-1]
             scaled = apply_top_k_top_p(scaled, torch.tensor([top_k], device=logits.device),
                                        torch.tensor([params.top_p], device=logits.device))
-        noise = position_noise(states[r].seed, positions[r], vocab, logits.device)[target_ids]
+        noise = noise_row(states[r], positions[r], vocab, logits.device)[target_ids]
         q = scaled.softmax(-1)[0]
         tokens[r] = (q / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax()
     return to_target(tokens)
