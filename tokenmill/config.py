@@ -11,6 +11,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "reference", "triton")
 CPU_GEMM_DTYPES = ("float32", "bfloat16")
+DRAFTER_QUANTIZATIONS = ("int8",)   # how an eagle3 / dflash drafter's linears may be served
 KV_CACHE_DTYPES = ("auto", "fp16", "float16", "bf16", "bfloat16", "int8", "fp8", "fp8_e4m3")
 
 
@@ -189,8 +190,9 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative method 'draft_model' needs a draft model (model=...)")
         if self.quantization is not None:
-            if self.quantization != "int8":
-                raise ValueError(f"speculative quantization must be 'int8' or None, got {self.quantization!r}")
+            if self.quantization not in DRAFTER_QUANTIZATIONS:
+                raise ValueError(f"speculative quantization must be one of {DRAFTER_QUANTIZATIONS} "
+                                 f"or None, got {self.quantization!r}")
             if self.method not in ("eagle3", "dflash"):
                 raise ValueError(f"speculative quantization applies to eagle3 and dflash drafters, "
                                  f"not {self.method!r}")

@@ -34,15 +34,14 @@ def test_linears_take_their_int8_copy_and_match_the_q8_reference():
     torch.testing.assert_close(out, float_out, rtol=0.05, atol=0.02)
 
 
-def test_training_still_uses_the_float_weights():
+def test_serving_keeps_no_float_copy_and_refuses_to_train():
     model = _mlp()
     quantize_linears(model, "int8")
-    x = torch.randn(2, 64)
-    y = model["mlp"](x)
-    y.sum().backward()
-    assert model["mlp"].gate_proj.weight.grad is not None
-    want = torch.nn.functional.linear(x, model["mlp"].gate_proj.weight)
-    torch.testing.assert_close(model["mlp"].gate_proj(x), want)
+    lin = model["mlp"].gate_proj
+    assert lin.weight.numel() == 0 and lin.weight.dtype == torch.float32
+    assert model["odd"].weight.shape == (8, 40)   # not converted: keeps its weight
+    with pytest.raises(RuntimeError, match="train the float drafter"):
+        model["mlp"](torch.randn(2, 64, requires_grad=True))
 
 
 def test_config_rejects_what_it_cannot_quantize():

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.config import DRAFTER_QUANTIZATIONS
 from tokenmill.layers import cpu_ops
 from tokenmill.layers.quant.matmul import packed_linear
 from tokenmill.layers.rotary import compute_inv_freq, scaling_kind, yarn_attention_factor
@@ -22,7 +23,8 @@ class Linear(nn.Linear):
     slower than the kernel does. Training (autograd on) always takes F.linear.
 
     ``packed`` (set by ``quantize_linears`` for serving): an int8 copy of the weight that
-    every call without autograd takes instead, with q8 activations."""
+    every call without autograd takes instead, with q8 activations; the float weight is
+    then gone, so such a layer cannot train."""
 
     packed = None   # tokenmill.layers.quant.formats.Packed
 
@@ -33,10 +35,10 @@ class Linear(nn.Linear):
             y = cpu_ops.linear(x if x.is_contiguous() else x.contiguous(), self.weight, self.bias)
             if y is not None:
                 return y
+        elif self.packed is not None:
+            raise RuntimeError("this drafter serves int8 copies of its linears (quantize_linears) "
+                               "and has no float weights left to train; train the float drafter")
         return super().forward(x)
-
-
-DRAFTER_QUANTIZATIONS = ("int8",)
 
 
 def quantize_linears(module: nn.Module, method: str) -> int:
@@ -56,6 +58,9 @@ def quantize_linears(module: nn.Module, method: str) -> int:
             if qgemm.available():
                 p.tiled = qgemm.tile(p)
             m.packed = p
+            # every call without autograd takes the packed copy: the float one would be dead
+            # weight (35 MB of SmolLM2's EAGLE-3); an empty tensor keeps its dtype
+            m.weight = nn.Parameter(m.weight.detach().new_empty(0), requires_grad=False)
             count += 1
     return count
 
