@@ -98,3 +98,34 @@ def test_the_sampler_takes_the_noise_drawn_ahead_and_it_is_the_generators_own():
     rigged = torch.full((V,), 1e30)
     rigged[7] = 1e-30   # only token 7 can win the race
     assert sample(lambda r: rigged if r == 1 else None).tolist() == [plain[0].item(), 7, *plain[2:].tolist()]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_seeded_output_is_plain_with_every_step_drafting(tiny_llama_dir, method):
+    """Fixed k (no adaptive k = 0 streaks): every step drafts through the coupled path and
+    hands its noise rows to the sampler, and seeded output still equals no speculation."""
+    prompts = [[(17 * i + 5 * j) % 380 + 3 for j in range(n)] for i, n in enumerate([5, 9, 23, 40])]
+    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=200 + i, max_tokens=12, ignore_eos=True)
+              for i in range(len(prompts))]
+
+    def outputs(llm):
+        return [o.outputs[0].token_ids for o in
+                llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    plain = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=64)
+    spec = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=64,
+               speculative_config=dict(method=method, num_speculative_tokens=3, adaptive=False))
+    proposer, checked = spec.engine.runner.spec.proposer, []
+    propose = proposer.propose
+
+    def checking(inp):
+        """Each draft raced with the noise of the row that verifies it: output positions
+        n0 .. n0 + k - 1, n0 = the tokens emitted so far."""
+        drafts = propose(inp)
+        for state, d in zip(inp.states, drafts):
+            n0 = len(state.output_token_ids)
+            assert sorted(state.drawn_noise) == list(range(n0, n0 + len(d)))
+            checked.append(len(d))
+        return drafts
+    proposer.propose = checking
+    assert outputs(spec) == outputs(plain)
+    assert spec.get_stats()["spec_num_draft_tokens"] >= 40 and sum(checked) >= 40

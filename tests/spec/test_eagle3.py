@@ -125,7 +125,7 @@ def make_proposer(runner, head, num_blocks=16):
     c = head.config
     kv = allocate_kv_caches(1, num_blocks, PAGE, c.num_kv_heads, c.head_dim, torch.float32, "cpu")[0]
     return Eagle3Proposer(head, runner.model, kv, torch.zeros(num_blocks * PAGE, c.hidden_size),
-                          runner.backend, PAGE, torch.device("cpu"), runner.vocab_size)
+                          runner.backend, PAGE, torch.device("cpu"))
 
 
 @torch.inference_mode()
@@ -393,7 +393,7 @@ class CheckingProposer(Eagle3Proposer):
 
     def __init__(self, base: Eagle3Proposer, runner) -> None:
         super().__init__(base.head, base.target, base.kv_cache, base.features, base.backend,
-                         base.block_size, base.device, base.vocab)
+                         base.block_size, base.device)
         self.runner, self.checked = runner, 0
 
     def draft(self, states, counts):

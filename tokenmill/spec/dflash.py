@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from tokenmill.spec.coupled import coupled, draft_tokens
 from tokenmill.spec.dflash_model import (DFlashConfig, DFlashDrafter, init_weights,
                                          spread_layer_ids)
 from tokenmill.spec.draft_head import DraftHead
@@ -46,6 +47,7 @@ def _flat(cache: torch.Tensor) -> torch.Tensor:
 
 class DFlashProposer:
     needs_lookahead = False   # only verified positions are written
+    couples_noise = True      # random rows race with the target's noise (spec/coupled.py)
 
     def __init__(self, drafter: DFlashDrafter, target, kv_caches: list, block_size: int,
                  device) -> None:
@@ -83,9 +85,17 @@ class DFlashProposer:
             _flat(v_cache)[slots[keep]] = v.to(v_cache.dtype)
 
     def _draft(self, states: list, num_rows: int) -> list[list[int]]:
-        """The argmax of block rows 1..num_rows for every state."""
+        """Block rows 1..num_rows of every state: their argmax, or at T > 0 their race with
+        the target's noise at the output positions they predict (spec/coupled.py)."""
         h = self.block_hidden(states)[:, 1:1 + num_rows]                     # [R, rows, hidden]
-        return self.head.argmax(h.reshape(-1, h.shape[-1])).view(len(states), num_rows).tolist()
+        h = h.reshape(-1, h.shape[-1])
+        if not any(coupled(s) for s in states):
+            return self.head.argmax(h).view(len(states), num_rows).tolist()
+        rows = [s for s in states for _ in range(num_rows)]
+        positions = [len(s.output_token_ids) + j for s in states for j in range(num_rows)]
+        tokens = draft_tokens(self.head.logits(h).float(), rows, positions,
+                              self.target.args.vocab_size, self.head.to_target)
+        return tokens.view(len(states), num_rows).tolist()
 
     def block_hidden(self, states: list) -> torch.Tensor:
         """[R, block_size, hidden]: one block forward per state; the block starts at the newest

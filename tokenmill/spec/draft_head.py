@@ -27,10 +27,16 @@ class DraftHead:
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] (post-norm) -> [N] target token ids. Soft-capping is monotonic,
         so the argmax of the raw logits is the capped logits' argmax."""
+        return self.to_target(self.logits(hidden).argmax(-1))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] (post-norm) -> [N, draft vocab] logits (the serving head's over
+        the whole vocabulary when there is no draft vocabulary)."""
         if self.weight is None:
-            return self.target.compute_logits(hidden).argmax(-1)
+            return self.target.compute_logits(hidden)
         x = hidden.to(self.weight.dtype).contiguous()
         logits = cpu_ops.linear(x, self.weight)   # decode-sized rows: the streaming kernel
-        if logits is None:
-            logits = F.linear(x, self.weight)
-        return self.token_ids[logits.argmax(-1)]
+        return F.linear(x, self.weight) if logits is None else logits
+
+    def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.token_ids is None else self.token_ids[draft_ids]

@@ -44,8 +44,9 @@ class Eagle3Proposer:
     couples_noise = True     # random rows race with the target's noise (spec/coupled.py)
 
     def __init__(self, head: Eagle3Head, target, kv_cache: tuple, features: torch.Tensor,
-                 backend, block_size: int, device, vocab: int) -> None:
-        self.head, self.target, self.vocab = head, target, vocab
+                 backend, block_size: int, device) -> None:
+        self.head, self.target = head, target
+        self.vocab = target.args.vocab_size   # the width of the target's logits and noise rows
         self.kv_cache = kv_cache    # (K, V) [num_blocks, block_size, kv_heads, D]
         self.features = features    # [num_blocks * block_size, hidden]: g of verified positions
         self.backend, self.block_size, self.device = backend, block_size, device
@@ -294,4 +295,4 @@ def build_eagle3_proposer(config, runner, num_blocks: int) -> Eagle3Proposer:
     features = torch.zeros(num_blocks * runner.block_size, c.hidden_size, dtype=dtype,
                            device=runner.device)
     return Eagle3Proposer(head, target, kv, features, runner.backend, runner.block_size,
-                          runner.device, runner.vocab_size)
+                          runner.device)
