@@ -100,8 +100,8 @@ def test_the_sampler_takes_the_noise_drawn_ahead_and_it_is_the_generators_own():
     assert sample(lambda r: rigged if r == 1 else None).tolist() == [plain[0].item(), 7, *plain[2:].tolist()]
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash"])
-def test_seeded_output_is_plain_with_every_step_drafting(tiny_llama_dir, method):
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "layer_skip", "draft_model", "medusa", "eagle"])
+def test_seeded_output_is_plain_with_every_step_drafting(tiny_llama_dir, method, tmp_path):
     """Fixed k (no adaptive k = 0 streaks): every step drafts through the coupled path and
     hands its noise rows to the sampler, and seeded output still equals no speculation."""
     prompts = [[(17 * i + 5 * j) % 380 + 3 for j in range(n)] for i, n in enumerate([5, 9, 23, 40])]
@@ -112,8 +112,12 @@ def test_seeded_output_is_plain_with_every_step_drafting(tiny_llama_dir, method)
         return [o.outputs[0].token_ids for o in
                 llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     plain = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=64)
-    spec = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=64,
-               speculative_config=dict(method=method, num_speculative_tokens=3, adaptive=False))
+    cfg = dict(method=method, num_speculative_tokens=3, adaptive=False)
+    if method == "draft_model":
+        from tests.conftest import save_tiny_llama
+        save_tiny_llama(tmp_path, seed=0, num_hidden_layers=1)
+        cfg["model"] = str(tmp_path)
+    spec = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=64, speculative_config=cfg)
     proposer, checked = spec.engine.runner.spec.proposer, []
     propose = proposer.propose
 

@@ -195,7 +195,8 @@ def build_spec_decoder(config: SpeculativeConfig, runner, max_model_len: int, nu
     from tokenmill.spec.ngram import NgramProposer
     from tokenmill.spec.paged_draft import PagedDraftProposer
     target, k = runner.model, config.num_speculative_tokens
-    common = dict(backend=runner.backend, block_size=runner.block_size, device=runner.device)
+    common = dict(backend=runner.backend, block_size=runner.block_size, device=runner.device,
+                  vocab=runner.vocab_size)
     if config.method == "ngram":
         proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     elif config.method == "layer_skip":

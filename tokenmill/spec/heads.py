@@ -21,6 +21,7 @@ from torch import nn
 
 from tokenmill.models.llama import LlamaArgs, LlamaDecoderLayer, LlamaForCausalLM
 from tokenmill.models.weights import load_weights
+from tokenmill.spec.coupled import draft_tokens
 from tokenmill.spec.drafter_files import read_drafter_dir
 from tokenmill.layers.rotary import RotaryEmbedding
 
@@ -67,6 +68,7 @@ class MedusaHeads(nn.Module):
 class MedusaProposer:
     needs_lookahead = False
     aux_layers = ()
+    couples_noise = True   # random rows race with the target's noise (spec/coupled.py)
 
     def __init__(self, heads: MedusaHeads, target) -> None:
         self.heads, self.target = heads, target
@@ -77,8 +79,12 @@ class MedusaProposer:
         k = max(num_drafts, default=0)
         if k == 0:
             return [[] for _ in states]
-        guesses = self.heads.logits(hidden.to(self._dtype()), k, self.target).argmax(-1).tolist()
-        return [g[:n] for g, n in zip(guesses, num_drafts)]
+        logits = self.heads.logits(hidden.to(self._dtype()), k, self.target)   # [B, k, V]
+        rows = [s for s in states for _ in range(k)]   # head j guesses output position n0 + j
+        positions = [len(s.output_token_ids) + j for s in states for j in range(k)]
+        guesses = draft_tokens(logits.reshape(len(states) * k, -1).float(), rows, positions,
+                               self.target.args.vocab_size, lambda ids: ids)
+        return [g[:n] for g, n in zip(guesses.view(len(states), k).tolist(), num_drafts)]
 
     def _dtype(self) -> torch.dtype:
         return next(self.heads.parameters()).dtype
@@ -100,6 +106,7 @@ class EagleHead(nn.Module):
 class EagleProposer:
     needs_lookahead = False
     aux_layers = ()
+    couples_noise = True   # random rows race with the target's noise (spec/coupled.py)
 
     def __init__(self, head: EagleHead, target: LlamaForCausalLM, backend, device) -> None:
         self.head, self.target, self.backend, self.device = head, target, backend, device
@@ -125,7 +132,10 @@ class EagleProposer:
             emb = self.target.model.embed_tokens(torch.tensor(tokens, device=self.device))
             x = self.head.fc(torch.cat([emb, feature.to(emb.dtype)], dim=-1))
             feature = self.head.layers[0](pos0 + step, x, cache, meta, self.backend)
-            tokens = self.target.compute_logits(self.target.model.norm(feature)).argmax(-1).tolist()
+            logits = self.target.compute_logits(self.target.model.norm(feature))
+            tokens = draft_tokens(logits.float(), [states[i] for i in rows],
+                                  [len(states[i].output_token_ids) + step for i in rows],
+                                  self.target.args.vocab_size, lambda ids: ids).tolist()
             for j, i in enumerate(rows):
                 if step < num_drafts[i]:
                     drafts[i].append(tokens[j])

@@ -3,7 +3,8 @@ with its own KV tensors indexed by the target's block tables) and ``layer_skip``
 first N layers + its final norm and head, writing into the target's own first N layer caches).
 
 Per step and request: feed the tokens the draft has not processed yet (up to and including the
-newest token), take the argmax, then feed each draft back for k - 1 more single-token passes.
+newest token), take the argmax (at T > 0: the race with the target's noise, spec/coupled.py),
+then feed each draft back for k - 1 more single-token passes.
 Draft K/V for the last token and the drafts go into the scheduler's lookahead slots; the target
 overwrites them when it verifies.
 
@@ -16,15 +17,18 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.spec.coupled import draft_tokens
 
 
 class PagedDraftProposer:
     needs_lookahead = True
     aux_layers = ()
+    couples_noise = True   # random rows race with the target's noise (spec/coupled.py)
 
     def __init__(self, model: torch.nn.Module, kv_caches: list, backend, block_size: int,
-                 device: torch.device, catch_up: bool) -> None:
+                 device: torch.device, catch_up: bool, vocab: int) -> None:
         self.model = model              # forward(ids, positions, kv_caches, meta, backend) + compute_logits
+        self.vocab = vocab              # the target's logits width: the noise rows' length
         self.kv_caches = kv_caches      # one (K, V) per layer the draft runs
         self.backend = backend
         self.block_size = block_size
@@ -63,7 +67,7 @@ class PagedDraftProposer:
             self._fed[states[i].req_id] = (starts[i], list(chunks[i]))
         for step in range(max(num_drafts[i] for i in active)):
             rows = [i for i in active if num_drafts[i] > step]
-            tokens = self._forward(states, rows, starts, chunks)
+            tokens = self._forward(states, rows, starts, chunks, step)
             for i, t in zip(rows, tokens):
                 drafts[i].append(t)
                 starts[i] += len(chunks[i])
@@ -72,8 +76,9 @@ class PagedDraftProposer:
                     self._fed[states[i].req_id][1].append(t)
         return drafts
 
-    def _forward(self, states, rows: list[int], starts: dict, chunks: dict) -> list[int]:
-        """One batched pass: chunk i at positions starts[i].. ; argmax after each chunk."""
+    def _forward(self, states, rows: list[int], starts: dict, chunks: dict, step: int) -> list[int]:
+        """One batched pass: chunk i at positions starts[i].. ; a draft after each chunk (its
+        output position: the tokens emitted so far + step)."""
         ids, positions, q_lens, seq_lens, tables, last = [], [], [], [], [], []
         for i in rows:
             c, p0 = chunks[i], starts[i]
@@ -89,5 +94,8 @@ class PagedDraftProposer:
                        torch.tensor(positions, dtype=torch.int64, device=dev),
                        self.kv_caches, meta, self.backend)
         logits = self.model.compute_logits(h[torch.tensor(last, dtype=torch.int64, device=dev)])
-        return logits.argmax(dim=-1).tolist()
+        drafters = [states[i] for i in rows]   # a draft model's head may be padded past the target's vocabulary
+        return draft_tokens(logits[:, :self.vocab].float(), drafters,
+                            [len(s.output_token_ids) + step for s in drafters], self.vocab,
+                            lambda ids: ids).tolist()
 
