@@ -70,3 +70,23 @@ def test_expensive_useless_drafter_costs_little_even_on_short_runs():
     ratio, chosen = simulate(0.05, lambda b, k: 1.0 + 0.9 * k, 1, steps=300)
     assert ratio >= 0.95, (ratio, chosen)
     assert chosen.get(4, 0) == 0          # k = 4 never tried: k = 1 already lost
+
+
+def test_a_steps_cost_includes_the_engine_time_until_the_next_step(tiny_llama_dir):
+    """The controller and c(B) are charged what a step costs the engine, not just the
+    runner's part: time spent between steps (output processing, the next schedule) is added
+    to the step before it. A 20 ms pause in every schedule must show in c(B)."""
+    import time
+
+    from tokenmill import LLM, SamplingParams
+    llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=64,
+              speculative_config=dict(method="ngram", num_speculative_tokens=2,
+                                      prompt_lookup_min=1, prompt_lookup_max=2))
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+    scheduler.schedule = lambda: time.sleep(0.02) or schedule()
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 5, 6, 7, 5]}], SamplingParams(temperature=0, max_tokens=24),
+                 use_tqdm=False)
+    seconds = llm.engine.runner.spec.plain_cost.seconds
+    assert seconds and min(seconds.values()) > 0.02
+    assert all(arm.rate < 1 / 0.02 * 3 for arm in llm.engine.runner.spec.controller.arms.values())

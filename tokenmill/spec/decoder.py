@@ -3,8 +3,13 @@ what the step cost and produced, for the adaptive choice of k and the counters, 
 for the next step and (3) asks the proposer for that many drafts per request.
 
 Timing attribution: a step that verifies drafts is charged its own time (forward + rejection
-sampling, from ``t_start``, the runner's step start, to ``after_step``) plus the drafting time
-spent after the previous step to produce those drafts. Only steps where every scheduled
+sampling, from ``t_start``, the runner's step start, to ``after_step``), the drafting time
+spent after the previous step to produce those drafts, and the time outside the runner until
+the next step starts (the engine's output processing and the next schedule: a verify step
+emits and schedules several tokens per request, and on a small model that is a fifth of a
+step). That last part is known only when the next step starts, so a step's timing is
+recorded then; a step that the next one does not continue (none of its requests) is left
+out, as the engine may have idled in between. Only steps where every scheduled
 request was decoding (no prefill chunk) feed the adaptive choice, the plain step cost c(B) and
 the estimated speedup; counters and draft / verify times count every step. Terms are defined
 in tokenmill.spec.metrics; per-request stats are kept until ``finish_request`` (called by the
@@ -12,6 +17,7 @@ engine when a request finishes or is aborted) moves them to a bounded recent lis
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -35,6 +41,10 @@ class SpecDecoder:
         self.plain_cost = PlainStepCost()
         # (batch size, k, draft seconds, ids of the requests drafted for)
         self._pending: Optional[tuple[int, int, float, frozenset]] = None
+        # the last decode-only step, its timing not recorded yet (_StepTiming), and when the
+        # runner left it (after drafting for the next one)
+        self._unrecorded: Optional[_StepTiming] = None
+        self._step_end = 0.0
         self._drafted: set[str] = set()     # requests the proposer may hold state for
 
     @property
@@ -59,7 +69,16 @@ class SpecDecoder:
         gone |= {n.req_id for n in so.scheduled_new_reqs} & self._drafted
         self.proposer.drop(gone)
         self._drafted -= gone
+        self._record_timing(t_start, inp.req_ids)
         self._measure(so, inp, out, time.perf_counter() - t_start)
+        try:
+            return self._draft_next(runner, inp, hidden, out, features)
+        finally:
+            self._step_end = time.perf_counter()
+
+    def _draft_next(self, runner, inp, hidden: torch.Tensor, out,
+                    features: Optional[StepFeatures]) -> dict:
+        """Chooses k for the next step and asks the proposer for the drafts."""
         index = {req_id: i for i, req_id in enumerate(inp.req_ids)}
         rows = [b for b, r in enumerate(inp.sample_req_ids)
                 if r not in out.errors and out.sampled_token_ids[index[r]]]
@@ -128,31 +147,45 @@ class SpecDecoder:
             and len(inp.sample_req_ids) == len(inp.req_ids)
         if not decode_only or not emitted:
             return
-        if not num_drafts:
-            self.plain_cost.record(len(inp.sample_req_ids), seconds)
-        if pending is None:
+        tokens = {r: len(t) for r, t in zip(out.req_ids, out.sampled_token_ids)}
+        self._unrecorded = _StepTiming(list(inp.sample_req_ids), tokens, emitted, bool(num_drafts),
+                                       seconds, pending, self.stats,
+                                       {r: self.stats.request(r) for r in inp.sample_req_ids})
+
+    def _record_timing(self, t_start: float, req_ids: list[str]) -> None:
+        """The previous decode-only step's timing, now that the time outside the runner since
+        it is known: into c(B), the estimated speedup and the adaptive choice of k."""
+        step, self._unrecorded = self._unrecorded, None
+        if step is None or set(step.sample_req_ids).isdisjoint(req_ids):
+            return   # not continued: the engine may have idled since, the gap is no cost
+        seconds = step.seconds + t_start - self._step_end
+        batch_size = len(step.sample_req_ids)
+        if not step.verified:
+            self.plain_cost.record(batch_size, seconds)
+        if step.pending is None:
             return
-        batch, k, draft_seconds, drafted = pending
-        self._estimate(inp.sample_req_ids, out, seconds, draft_seconds, drafted)
+        batch, k, draft_seconds, drafted = step.pending
+        self._estimate(step, seconds, draft_seconds, drafted)
         # A step whose requests got no drafts (no n-gram match) was a plain step: it says
         # nothing about verifying k drafts, so it counts for k = 0.
-        self.controller.record(batch, k if num_drafts else 0, emitted, seconds + draft_seconds)
+        self.controller.record(batch, k if step.verified else 0, step.emitted, seconds + draft_seconds)
 
-    def _estimate(self, sample_req_ids, out, seconds: float, draft_seconds: float,
+    def _estimate(self, step: "_StepTiming", seconds: float, draft_seconds: float,
                   drafted: frozenset) -> None:
         """Adds one decode-only step to the estimated speedup's sums (tokens x c(B) against
-        the step's seconds + the drafting done for it), aggregate and per request."""
+        the step's seconds + the drafting done for it), aggregate and per request (the
+        records it had, finished since or not)."""
+        sample_req_ids, tokens = step.sample_req_ids, step.tokens
         batch = len(sample_req_ids)
         cost = self.plain_cost.get(batch)
         if cost is None:
             return
-        tokens = {r: len(t) for r, t in zip(out.req_ids, out.sampled_token_ids)}
-        stats = self.stats
+        stats = step.stats
         stats.plain_equiv_time += sum(tokens.get(r, 0) for r in sample_req_ids) * cost / batch
         stats.measured_time += seconds + draft_seconds
         for req_id in sample_req_ids:
             if tokens.get(req_id):
-                r = stats.request(req_id)
+                r = step.records[req_id]
                 r.plain_equiv_time += tokens[req_id] * cost
                 r.measured_time += seconds + (draft_seconds if req_id in drafted else 0.0)
 
@@ -168,6 +201,19 @@ class SpecDecoder:
             "requests": self.stats.requests(),
         }
         return flat
+
+
+@dataclass
+class _StepTiming:
+    """A decode-only step whose timing waits for the next step's start."""
+    sample_req_ids: list
+    tokens: dict              # req_id -> tokens emitted
+    emitted: int
+    verified: bool            # some request had drafts
+    seconds: float            # the runner's part: t_start to after_step
+    pending: Optional[tuple]  # (batch, k, draft seconds, drafted ids) chosen for this step
+    stats: SpecDecodingStats  # the counters then (reset_stats may have replaced them since)
+    records: dict             # req_id -> its RequestSpecStats then
 
 
 class LayerSkipModel:
