@@ -166,6 +166,17 @@ def test_paged_attention_matches_reference(window, d, requests, kv_dtype):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+def _attend(rows, k_cache, v_cache, lens, seqs, tabs, bs, window):
+    """cpu_ops.paged_attention of query rows [T, Hq, D] for requests (q lens, seq lens,
+    block tables); every row must be written."""
+    meta = AttentionMetadata.build(lens, seqs, tabs, bs, "cpu")
+    out = torch.full_like(rows, float("nan"))
+    assert cpu_ops.paged_attention(rows, k_cache, v_cache, meta.block_tables,
+                                   meta.query_start_loc[:-1], torch.tensor(lens),
+                                   meta.seq_lens, 0.125, window, out)
+    return out
+
+
 @pytest.mark.parametrize("window", [None, 6])
 def test_paged_attention_batched_equals_each_request_alone(window):
     """Many requests run one task per request over all heads (sequential cache reads); a
@@ -182,12 +193,7 @@ def test_paged_attention_batched_equals_each_request_alone(window):
     q = torch.randn(sum(q_lens), hq, d, generator=g)
 
     def run(rows, lens, seqs, tabs):
-        meta = AttentionMetadata.build(lens, seqs, tabs, bs, "cpu")
-        out = torch.full_like(rows, float("nan"))
-        assert cpu_ops.paged_attention(rows, k_cache, v_cache, meta.block_tables,
-                                       meta.query_start_loc[:-1], torch.tensor(lens),
-                                       meta.seq_lens, 0.125, window, out)
-        return out
+        return _attend(rows, k_cache, v_cache, lens, seqs, tabs, bs, window)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -296,12 +302,7 @@ def test_a_rows_attention_depends_on_that_row_alone(kv_dtype, d, threads, window
     q = torch.randn(sum(q_lens), hq, d, generator=g)
 
     def run(rows, lens, seqs, tabs):
-        meta = AttentionMetadata.build(lens, seqs, tabs, bs, "cpu")
-        out = torch.full_like(rows, float("nan"))
-        assert cpu_ops.paged_attention(rows, k_cache, v_cache, meta.block_tables,
-                                       meta.query_start_loc[:-1], torch.tensor(lens),
-                                       meta.seq_lens, 0.125, window, out)
-        return out
+        return _attend(rows, k_cache, v_cache, lens, seqs, tabs, bs, window)
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
