@@ -83,7 +83,7 @@ def sample_from_probs(probs: torch.Tensor, meta: SamplingMetadata,
                       argmax: Argmax = torch_argmax) -> torch.Tensor:
     """One token per row of probs [R, V], using each row's generator as described in meta."""
     noise = _exponential_noise(meta, probs.shape, probs.device)
-    # Exp(1) can be exactly 0 (u == 0); the clamp keeps p / q finite-or-inf but never NaN.
+    # -log(U) with U < 1 is > 0; the clamp only guards p / noise against a zero divisor.
     scores = probs / noise.clamp_min_(torch.finfo(torch.float32).tiny)
     # A filtered token (p == 0) must never win, not even when every score underflows.
     scores.masked_fill_(probs <= 0, -1.0)

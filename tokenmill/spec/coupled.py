@@ -15,7 +15,7 @@ function of (seed, position).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -38,16 +38,16 @@ def noise_row(state, position: int, vocab: int, device) -> torch.Tensor:
 
 
 def draft_tokens(logits: torch.Tensor, states: list, positions: list[int], vocab: int,
-                 to_target: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """One draft per row of ``logits`` [R, Vd] (float; draft vocabulary, mapped to target ids
-    by ``to_target``): the argmax for greedy rows, else the race of q = softmax(logits / T)
-    (with the request's top-k / top-p) against the target's noise of ``states[r]`` at output
-    position ``positions[r]`` (``vocab``: the target's logits width). Returns target ids [R]."""
+                 to_target: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+    """One draft per row of ``logits`` [R, Vd] (float; a draft vocabulary mapped to target ids
+    by ``to_target``, or None: the target's own ids): the argmax for greedy rows, else the race
+    of q = softmax(logits / T) (with the request's top-k / top-p) against the target's noise
+    of ``states[r]`` at output position ``positions[r]`` (``vocab``: the target's logits
+    width). Returns target ids [R]."""
     tokens = logits.argmax(-1)
     rows = [r for r, s in enumerate(states) if coupled(s)]
-    if not rows:
-        return to_target(tokens)
-    target_ids = to_target(torch.arange(logits.shape[-1], device=logits.device))
+    target_ids = None if to_target is None or not rows else \
+        to_target(torch.arange(logits.shape[-1], device=logits.device))
     for r in rows:
         params = states[r].params
         scaled = (logits[r:r + 1].float() / params.temperature)
@@ -55,7 +55,10 @@ def draft_tokens(logits: torch.Tensor, states: list, positions: list[int], vocab
             top_k = params.top_k if 0 < params.top_k < logits.shape[-1] else logits.shape[-1]
             scaled = apply_top_k_top_p(scaled, torch.tensor([top_k], device=logits.device),
                                        torch.tensor([params.top_p], device=logits.device))
-        noise = noise_row(states[r], positions[r], vocab, logits.device)[target_ids]
+        noise = noise_row(states[r], positions[r], vocab, logits.device)
+        if target_ids is not None:
+            noise = noise[target_ids]
+        # out of place: the row stays in the request state for the sampler, unchanged
         q = scaled.softmax(-1)[0]
-        tokens[r] = (q / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax()
-    return to_target(tokens)
+        tokens[r] = (q / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax()
+    return tokens if to_target is None else to_target(tokens)

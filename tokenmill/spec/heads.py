@@ -83,7 +83,7 @@ class MedusaProposer:
         rows = [s for s in states for _ in range(k)]   # head j guesses output position n0 + j
         positions = [len(s.output_token_ids) + j for s in states for j in range(k)]
         guesses = draft_tokens(logits.reshape(len(states) * k, -1).float(), rows, positions,
-                               self.target.args.vocab_size, lambda ids: ids)
+                               self.target.args.vocab_size)
         return [g[:n] for g, n in zip(guesses.view(len(states), k).tolist(), num_drafts)]
 
     def _dtype(self) -> torch.dtype:
@@ -135,7 +135,7 @@ class EagleProposer:
             logits = self.target.compute_logits(self.target.model.norm(feature))
             tokens = draft_tokens(logits.float(), [states[i] for i in rows],
                                   [len(states[i].output_token_ids) + step for i in rows],
-                                  self.target.args.vocab_size, lambda ids: ids).tolist()
+                                  self.target.args.vocab_size).tolist()
             for j, i in enumerate(rows):
                 if step < num_drafts[i]:
                     drafts[i].append(tokens[j])

@@ -94,8 +94,8 @@ class PagedDraftProposer:
                        torch.tensor(positions, dtype=torch.int64, device=dev),
                        self.kv_caches, meta, self.backend)
         logits = self.model.compute_logits(h[torch.tensor(last, dtype=torch.int64, device=dev)])
-        drafters = [states[i] for i in rows]   # a draft model's head may be padded past the target's vocabulary
+        drafters = [states[i] for i in rows]
+        # a draft model's head may be padded past the target's vocabulary: never draft there
         return draft_tokens(logits[:, :self.vocab].float(), drafters,
-                            [len(s.output_token_ids) + step for s in drafters], self.vocab,
-                            lambda ids: ids).tolist()
+                            [len(s.output_token_ids) + step for s in drafters], self.vocab).tolist()
 
