@@ -321,7 +321,7 @@ def test_a_rows_attention_depends_on_that_row_alone(kv_dtype, d, threads, window
     assert torch.equal(batched, singles)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 9, 16])   # > 8: the kernel runs 8-row slices
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 8, 9, 16, 17, 32, 63, 64])   # > 8: blocked kernel
 @pytest.mark.parametrize("n,k", [(4, 8), (37, 576), (1728, 576), (5, 13), (129, 1536)])
 def test_small_m_linear_matches_f_linear(m, n, k):
     g = torch.Generator().manual_seed(m * n + k)
@@ -331,29 +331,54 @@ def test_small_m_linear_matches_f_linear(m, n, k):
     torch.testing.assert_close(cpu_ops.linear(x, w), expected - b, rtol=1e-5, atol=1e-4)
 
 
-def test_small_m_linear_kernel_slices_rows_beyond_its_block():
-    # the Python wrapper never passes more than LINEAR_MAX_ROWS; the C entry point still
-    # must not overrun its accumulators if called with more
+def test_small_m_linear_kernel_takes_any_row_count():
+    # the Python wrapper passes at most LINEAR_MAX_ROWS; the C entry point takes more
     g = torch.Generator().manual_seed(5)
-    x, w = torch.randn(11, 40, generator=g), torch.randn(19, 40, generator=g)
-    y = torch.empty(11, 19)
-    native.require().tm_linear_small_m(x.data_ptr(), 11, 40, w.data_ptr(), 19, None, y.data_ptr(), 2)
+    x, w = torch.randn(101, 40, generator=g), torch.randn(19, 40, generator=g)
+    y = torch.empty(101, 19)
+    native.require().tm_linear_small_m(x.data_ptr(), 101, 40, w.data_ptr(), 19, None, y.data_ptr(), 2)
     torch.testing.assert_close(y, torch.nn.functional.linear(x.double(), w.double()).float(),
                                rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("n,k", [(963, 100), (3072, 576), (577, 1536), (5, 3)])
+# rows sliced from a 64-row batch: one-pass rows, the blocked kernel's full blocks of 6 rows,
+# its part-filled blocks and an odd last row; N % 8 != 0 exercises its per-output sums, K % 8
+# != 0 the scalar tail
+ROW_SLICES = [(0, 1), (5, 7), (2, 5), (3, 7), (0, 8), (3, 12), (0, 16), (0, 9), (5, 22),
+              (3, 40), (1, 64), (0, 64)]
+
+
+@pytest.mark.parametrize("n,k", [(963, 100), (3072, 576), (577, 1536), (5, 3), (64, 640)])
 def test_small_m_linear_rows_do_not_depend_on_the_row_count(n, k):
-    """Every row count, in one pass over W or in 8-row slices, runs the same FMA chain per
-    output, so a request's decode bits never depend on how many others share its step
-    (K % 8 != 0 exercises the scalar tail)."""
+    """Every row count, streaming W once (<= 8 rows) or register-blocked, runs the same FMA
+    chains per output, so a request's decode bits never depend on how many others share its
+    step, nor on whether its verify rows come one or k + 1 at a time."""
     g = torch.Generator().manual_seed(n + k)
-    x, w, b = torch.randn(16, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    x, w, b = torch.randn(64, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     whole = cpu_ops.linear(x, w, b)
-    for lo, hi in [(0, 1), (5, 7), (2, 5), (3, 7), (0, 8), (3, 12), (0, 16)]:
-        assert torch.equal(cpu_ops.linear(x[lo:hi].contiguous(), w, b), whole[lo:hi])
+    for lo, hi in ROW_SLICES:
+        assert torch.equal(cpu_ops.linear(x[lo:hi].contiguous(), w, b), whole[lo:hi]), (lo, hi)
+    for i in (0, 13, 63):
+        assert torch.equal(cpu_ops.linear(x[i:i + 1], w, b), whole[i:i + 1])
     torch.testing.assert_close(whole, torch.nn.functional.linear(x.double(), w.double(), b.double()).float(),
                                rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(not (native.has_vnni() and native.buildable()), reason="one build only here")
+@pytest.mark.parametrize("m,n,k", [(37, 963, 100), (64, 3072, 576), (23, 577, 1536)])
+def test_small_m_linear_both_builds_are_bit_identical(m, n, k, both_builds):
+    """The AVX2 build's 256-bit blocks and the AVX-512 build's paired rows run the same
+    chains and the same sum of the 8 lanes: identical bits, with and without a bias."""
+    g = torch.Generator().manual_seed(m + n)
+    x, w, b = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    for bias in (None, b):
+        outs = []
+        for lib in both_builds:
+            y = torch.empty(m, n)
+            lib.tm_linear_small_m(x.data_ptr(), m, k, w.data_ptr(), n,
+                                  None if bias is None else bias.data_ptr(), y.data_ptr(), 2)
+            outs.append(y)
+        assert all(torch.equal(outs[0], y) for y in outs[1:])
 
 
 def test_small_m_linear_declines_what_it_does_not_cover():

@@ -1,6 +1,8 @@
 """The one-call decoder stack (runner/fused_stack.py + layers/cpu_decode.c) against the
 module path: bit-identical hidden states, so identical tokens and logprobs; and it steps
 aside whenever it does not apply."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -46,13 +48,15 @@ def _generate(model_dir, prompts, fused: bool, monkeypatch, calls: list, quantiz
                                                    (1, "int4-g32:q8", "auto"), (3, "int8:q8", "int8"),
                                                    (6, "gptq-act-order:q8", "auto"),
                                                    (1, "gguf", "auto"), (3, "gguf:q8", "auto"),
-                                                   (3, None, "bf16"), (1, "int8", "fp16")])
+                                                   (3, None, "bf16"), (1, "int8", "fp16"),
+                                                   (24, None, "auto"), (24, "int8:q8", "int8")])
 def test_fused_stack_is_bit_identical_to_the_modules(model_dir, monkeypatch, tmp_path, batch,
                                                       quantization, kv):
     """":q8": int8-rounded activations for the int8 / int4 linears (the C stack calls the
     same integer-dot kernel); "gguf": a GGUF with Q4_0 / Q4_1 / Q8_0 tensors kept packed
     (float16 block scales)."""
-    prompts = (PROMPTS * 4)[:batch]   # 12: past the kernel's 4-row block
+    prompts = (PROMPTS * 8)[:batch]   # 12: past the kernel's 4-row block; 24: the blocked
+    #                                    float kernel's and the tiled q8 GEMM's rows
     quantization, _, activations = (quantization or "").partition(":")
     quantization = quantization or None
     if quantization == "gptq-act-order":   # a checkpoint whose parts permute their inputs
@@ -133,6 +137,25 @@ def test_fused_stack_steps_aside(model_dir):
     x = torch.zeros(cpu_ops.LINEAR_MAX_ROWS + 1, model.args.hidden_size)
     assert llama_fused.run_layers(model, x, torch.zeros(x.shape[0], dtype=torch.int64), [], None,
                                   llm.engine.runner.backend) is None   # prefill-sized
+
+
+@pytest.mark.parametrize("quantization,activations,rows", [
+    (None, "fp32", cpu_ops.LINEAR_MAX_ROWS), ("int8", "q8", cpu_ops.LINEAR_MAX_ROWS),
+    ("int8", "fp32", 16), ("fp8", "q8", 16)])
+def test_stack_rows_stop_where_a_streaming_kernel_stops(model_dir, quantization, activations, rows):
+    """Float and tiled q8 linears take the stack up to the float kernel's rows; a part that
+    streams (float activations, or fp8 without tiles) only up to its method's kernel_max_rows
+    (16): the modules would multiply a dequantized copy past it, with other bits."""
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, enable_prefix_caching=False,
+              quantization=quantization, quant_activations=activations)
+    model = llm.engine.model
+    plan = llama_fused.stack_plan(model)
+    assert plan.max_rows(plan.activations()) == rows
+    meta = SimpleNamespace(max_query_len=1)   # a decode step of rows + 1 requests
+    x = torch.zeros(rows + 1, model.args.hidden_size)
+    kv = llm.engine.runner.kv_caches
+    assert llama_fused.run_layers(model, x, torch.zeros(rows + 1, dtype=torch.int64), kv, meta,
+                                  llm.engine.runner.backend) is None
 
 
 def test_stacks_the_c_path_cannot_reproduce_are_not_planned(tmp_path, tiny_llama_dir):

@@ -7,7 +7,8 @@
  *   tm_rope            neox-style rotary embedding of q and k, in place
  *   tm_silu_mul        silu(gate) * up of a fused [T, 2I] gate_up output
  *   tm_gelu_tanh_mul   gelu_tanh(gate) * up, likewise (Gemma)
- *   tm_linear_small_m  x W^T for decode-sized x (one to eight rows), streaming W once
+ *   tm_linear_small_m  x W^T for decode-sized x: one to eight rows stream W once, more
+ *                      take the blocked kernel of cpu_gemm.c (same bits per row)
  *   tm_argmax_rows     the greedy token of each logits row (torch.argmax's answer)
  * Plain-PyTorch references live beside the callers (tokenmill/layers/cpu_ops.py) and the
  * tests compare the two.
@@ -143,7 +144,8 @@ void tm_gelu_tanh_mul(const float *x, int64_t T, int64_t I, float *out, int nthr
  * of W one row at a time (a single linear stream the hardware prefetchers follow) and runs
  * all M activation rows (kept in L1) against it: one FMA chain per output, so an output's
  * bits do not depend on M (a verify step of k + 1 rows gives what k + 1 decode steps
- * would). Up to GEMV_MAX_M rows share one pass over W; more run in slices. */
+ * would). Up to GEMV_MAX_M rows share one pass over W; more take cpu_gemm.c's blocked
+ * kernel, which keeps these chains. */
 #define GEMV_MAX_M 8
 /* Prefetch distance in floats (4 KB): the hardware prefetchers alone left the stream at
  * 19-24 GB/s at one row and 15-17 at four on an Emerald Rapids Xeon, 2 threads; 4 KB ahead
@@ -170,14 +172,9 @@ static inline void gemv_row_chain(const float *x, const int M, int64_t K, const 
     }
 }
 
-void tm_linear_small_m(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
-                       const float *bias, float *y, int nthreads) {
-    if (M > GEMV_MAX_M) {   /* callers stay within GEMV_MAX_M; larger M runs in slices */
-        for (int64_t m0 = 0; m0 < M; m0 += GEMV_MAX_M)
-            tm_linear_small_m(x + m0 * K, M - m0 < GEMV_MAX_M ? M - m0 : GEMV_MAX_M, K, w, N,
-                              bias, y + m0 * N, nthreads);
-        return;
-    }
+/* Rows [0, M) with M <= GEMV_MAX_M, W streamed once. */
+static void gemv_rows(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
+                      const float *bias, float *y, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K >= (1 << 16))
     for (int64_t n = 0; n < N; n++) {
         switch (M) {   /* constant M per call: the loops over rows unroll */
@@ -191,6 +188,25 @@ void tm_linear_small_m(const float *x, int64_t M, int64_t K, const float *w, int
             default: gemv_row_chain(x, 8, K, w, bias, y, N, n); break;
         }
     }
+}
+
+/* The same rows GEMV_MAX_M at a time (one pass over W each). */
+static void gemv_row_slices(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
+                            const float *bias, float *y, int nthreads) {
+    for (int64_t m0 = 0; m0 < M; m0 += GEMV_MAX_M)
+        gemv_rows(x + m0 * K, M - m0 < GEMV_MAX_M ? M - m0 : GEMV_MAX_M, K, w, N, bias,
+                  y + m0 * N, nthreads);
+}
+
+void tm_linear_blocked(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
+                       const float *bias, float *y, int nthreads);   /* cpu_gemm.c */
+
+/* Any M: up to GEMV_MAX_M rows stream W once; more are compute-bound and take the
+ * register-blocked kernel (cpu_gemm.c), whose outputs have these same bits. */
+void tm_linear_small_m(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
+                       const float *bias, float *y, int nthreads) {
+    if (M > GEMV_MAX_M) tm_linear_blocked(x, M, K, w, N, bias, y, nthreads);
+    else gemv_rows(x, M, K, w, N, bias, y, nthreads);
 }
 
 /* ---- argmax ------------------------------------------------------------------------------ */

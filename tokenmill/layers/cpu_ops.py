@@ -61,14 +61,19 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 # -- small-M linear -----------------------------------------------------------------------
-LINEAR_MAX_ROWS = 16  # the kernel streams W once per 8 rows (GEMV_MAX_M in cpu_ops.c). On this
-#                     AVX2 box MKL's small-M GEMM is slow: 8 rows ours ~29 vs MKL ~19 GFLOPS,
-#                     16 rows 31-42 vs ~32; at 32 rows MKL wins (46-57 vs 38-46).
+# Up to 8 rows the kernel streams W once (GEMV_MAX_M in cpu_ops.c); more rows are
+# compute-bound and take the register-blocked kernel (cpu_gemm.c), with the same bits per
+# row. Against oneDNN's prepacked GEMM, W read from memory as in a decode step (Emerald
+# Rapids, 2 threads, SmolLM2's four shapes), the blocked kernel is ahead at 16-64 rows
+# (32 rows: 140-168 vs 103-146 GFLOP/s) and behind from ~96 on: prefill and larger
+# batches stay with oneDNN.
+LINEAR_MAX_ROWS = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """x [..., K] with at most LINEAR_MAX_ROWS rows -> x W^T + b, streaming W once per 8 rows."""
+    """x [..., K] with at most LINEAR_MAX_ROWS rows -> x W^T + b; each output row's bits do
+    not depend on how many rows share the call."""
     if not (available() and _ok(x, weight) and x.is_contiguous() and weight.is_contiguous()
             and weight.dim() == 2 and x.shape[-1] == weight.shape[1]):
         return None

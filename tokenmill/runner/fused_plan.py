@@ -117,7 +117,7 @@ def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
         float_part = [-1, w.data_ptr(), 0, 0, 0, w.shape[0]]
         return float_part + [0] * (DEC_FIELDS - len(float_part)) + _NO_PART * (DEC_PARTS - 1), w
     if not (isinstance(method, PackedLinearMethod) and type(method).apply is PackedLinearMethod.apply
-            and method.use_kernel and method.kernel_max_rows >= cpu_ops.LINEAR_MAX_ROWS):
+            and method.use_kernel):
         return None
     parts = lin.packed
     if not parts or len(parts) > DEC_PARTS or not all(kernel_applies(p) for p in parts):
@@ -200,8 +200,10 @@ class StackPlan:
                                     for lins in layer_linears for lin, _, pin in lins
                                     if isinstance(pin, list)}.values())
         # parts whose values live only in their tiled copy: the C loop reads them at q8 steps only
-        self.tiled_only = any(p.qweight is None for lins in layer_linears for _, _, pin in lins
-                              if isinstance(pin, list) for p in pin)
+        parts = [p for lins in layer_linears for _, _, pin in lins if isinstance(pin, list) for p in pin]
+        self.tiled_only = any(p.qweight is None for p in parts)
+        # q8 steps take every part's tiled copy (tm_qgemm_q8: any row count)
+        self.all_tiled = all(p.tiled is not None for p in parts)
 
     def _pin(self, store: dict, name: str) -> int:
         """The address of store[name], which usable() checks is still the module's."""
@@ -234,6 +236,17 @@ class StackPlan:
         modes = {m.activations for m in self.packed_methods}
         mode = modes.pop() if len(modes) == 1 else ("fp32" if not modes else None)
         return None if self.tiled_only and mode != "q8" else mode
+
+    def max_rows(self, activations: str) -> int:
+        """The most rows a step may have here: as many as the float kernel takes
+        (cpu_ops.LINEAR_MAX_ROWS), and no more than a packed method's streaming kernel takes
+        where a part streams (float activations, or q8 over a part without a tiled copy): the
+        modules would run a dequantized GEMM there instead, with other bits."""
+        rows = cpu_ops.LINEAR_MAX_ROWS
+        for method in self.packed_methods:
+            if activations != "q8" or not self.all_tiled:
+                rows = min(rows, method.kernel_max_rows)
+        return rows
 
     def usable(self) -> bool:
         """Same weights as when planned and no hooks that eager mode would run."""

@@ -64,8 +64,9 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
     if plan is None or len(kv_caches) != plan.num_layers or not plan.usable():
         return None
     activations = plan.activations()
-    if activations is None:
-        return None   # mixed activation modes, or float ones over tiled-only weights: modules
+    if activations is None or t > plan.max_rows(activations):
+        return None   # mixed activation modes, float ones over tiled-only weights, or more
+        #               rows than a streaming kernel takes: modules
     caches = plan.cache_ptrs(kv_caches)
     if caches is None:
         return None

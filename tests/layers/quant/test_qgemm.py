@@ -178,17 +178,6 @@ def test_engine_tiles_q8_linears_and_fuses_them(tiny_llama_dir):
     assert [x.outputs[0].token_ids for x in c] == [y.outputs[0].token_ids for y in d]
 
 
-@pytest.fixture(scope="module")
-def both_builds(tmp_path_factory):
-    """The kernel library built without and with AVX-512 VNNI, the VNNI one with and without
-    the tiled GEMM's software prefetch (which only moves loads earlier)."""
-    import ctypes
-    out = tmp_path_factory.mktemp("qmm_builds")
-    return [native.declare(ctypes.CDLL(native.build_shared_library(
-        native.SOURCE, str(out), native.build_flags(vnni, prefetch))))
-        for vnni, prefetch in ((False, False), (True, False), (True, True))]
-
-
 @needs_vnni
 @pytest.mark.parametrize("kind", ["i8", "i8-g32", "i8-g16", "i8m-g32", "i5-g32", "i5m-g32", "i4-g32", "i4-g64"])
 def test_both_builds_are_bit_identical(kind, both_builds):

@@ -1,0 +1,221 @@
+/* Register-blocked float32 matmul for batched decode: y[M, N] = x[M, K] W[N, K]^T (+ bias)
+ * with the bits of the small-M kernel (cpu_ops.c, gemv_row_chain) at any M.
+ *
+ * Past a few rows a decode step is compute-bound, and streaming W once per 8 rows wastes
+ * the FMA units on loads. Here a block of weight rows stays in L1 while every block of
+ * activation rows passes over it, and each loaded value feeds several FMAs. The arithmetic
+ * per output is exactly gemv_row_chain's: 8 lane chains over k (lane j sums k = j, j + 8, ...
+ * in order, one FMA each), hsum256 of the 8 lanes, the K % 8 tail with fmaf, then the bias.
+ * So a row's output does not depend on how many rows share the call (a verify step of
+ * k + 1 rows per request gives what its decode steps would, at any batch size).
+ *
+ * AVX-512 build: a 512-bit accumulator holds two outputs (activation rows m and m + 1, same
+ * weight row) as its two 256-bit halves. x is repacked per call so one load gives both rows'
+ * 8 values; the weight's 8 values are broadcast to both halves (a load-port operation). A
+ * block is GEMM_PAIRS pairs of rows x GEMM_NR weight rows: 24 accumulators, 11 loads per 24
+ * FMAs, and the 8-lane sums of a pair's 8 outputs are added 16 at a time (gemm_hsum16).
+ * AVX2 build: 256-bit accumulators, 3 rows x 4 weight rows (12 accumulators).
+ *
+ * Against oneDNN's prepacked GEMM on SmolLM2's shapes, W read from memory: ahead from 16
+ * to 64 rows in the AVX-512 build, about even in the AVX2 one (oneDNN held to AVX2). */
+
+#ifdef __AVX512F__
+#define GEMM_PAIRS 3   /* pairs of activation rows per block (6 rows) */
+#define GEMM_NR 8      /* weight rows per block: one vector of 16 sums per pair */
+
+/* 8 floats into both 256-bit halves (AVX-512F has the 64-bit-lane form of the broadcast) */
+static inline __m512 gemm_broadcast256(const float *src) {
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(src))));
+}
+
+static inline __m256 gemm_upper256(__m512 v) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+}
+
+/* Pack x [M, K] into [ceil(M/2)][K/8][2][8]: pair p's 8-value group kb is one 512-bit load.
+ * An odd M's last pair is padded with a zero row (its outputs are never stored). */
+static void gemm_pack_pairs(const float *x, int64_t M, int64_t K, float *xp) {
+    const int64_t k8 = K / 8, pairs = (M + 1) / 2;
+    for (int64_t p = 0; p < pairs; p++)
+        for (int h = 0; h < 2; h++) {
+            const int64_t m = 2 * p + h;
+            for (int64_t kb = 0; kb < k8; kb++) {
+                float *dst = xp + ((p * k8 + kb) * 2 + h) * 8;
+                if (m < M) memcpy(dst, x + m * K + kb * 8, 8 * sizeof(float));
+                else memset(dst, 0, 8 * sizeof(float));
+            }
+        }
+}
+
+/* The 16 sums of 8 accumulators (weight rows n0..n0+7, each holding rows m | m + 1) in
+ * the order [m: n0..n7 | m + 1: n0..n7], each added exactly as hsum256 adds its 8 lanes:
+ * ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)), 16 outputs per vector operation. */
+static inline __m512 gemm_hsum16(const __m512 *acc) {
+    __m512 s4[4], s2[2];
+    for (int i = 0; i < 4; i++) {   /* per 128-bit lane: v[i] + v[i + 4] of one output */
+        const __m512 a = acc[2 * i], b = acc[2 * i + 1];
+        s4[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+    }
+    for (int i = 0; i < 2; i++) {   /* s4[0] + s4[2], s4[1] + s4[3] */
+        const __m512 u = s4[2 * i], v = s4[2 * i + 1];
+        s2[i] = _mm512_add_ps(_mm512_shuffle_ps(u, v, _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_ps(u, v, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(s2[0], s2[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* lanes now hold n0 n2 n4 n6 of m, of m + 1, then n1 n3 n5 n7 of m, of m + 1 */
+    const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    return _mm512_permutexvar_ps(order, s);
+}
+
+/* Outputs of rows [2 p0, 2 p0 + 2 P) x weight rows [n0, n0 + NR); P and NR are constants at
+ * each call site (gemm_block_p below), so the loops unroll into registers. */
+static inline __attribute__((always_inline)) void
+gemm_block512(const float *x, const float *xp, int64_t M, int64_t K, int64_t p0, const int P,
+              const float *w, int64_t n0, const int NR, const float *bias, float *y, int64_t N,
+              const char *pf, int64_t pf_lines) {
+    const int64_t k8 = K / 8, pf_per = k8 ? (pf_lines + k8 - 1) / k8 : 0;
+    __m512 acc[GEMM_PAIRS][GEMM_NR];
+    for (int p = 0; p < P; p++)
+        for (int j = 0; j < NR; j++) acc[p][j] = _mm512_setzero_ps();
+    const float *xb = xp + p0 * k8 * 16;
+    for (int64_t kb = 0; kb < k8; kb++) {
+        __m512 xv[GEMM_PAIRS];
+        for (int p = 0; p < P; p++) xv[p] = _mm512_loadu_ps(xb + (p * k8 + kb) * 16);
+        for (int64_t l = kb * pf_per; l < (kb + 1) * pf_per && l < pf_lines; l++)
+            _mm_prefetch(pf + l * 64, _MM_HINT_T1);
+        for (int j = 0; j < NR; j++) {
+            __m512 wv = gemm_broadcast256(w + (n0 + j) * K + kb * 8);
+            for (int p = 0; p < P; p++) acc[p][j] = _mm512_fmadd_ps(wv, xv[p], acc[p][j]);
+        }
+    }
+    if (NR == GEMM_NR && k8 * 8 == K) {   /* full block: the sums 16 at a time */
+        const __m256 b8 = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
+        const __m512 b16 = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(b8)));
+        for (int p = 0; p < P; p++) {
+            const int64_t m = 2 * (p0 + p);
+            const __m512 s = _mm512_add_ps(gemm_hsum16(acc[p]), b16);
+            _mm256_storeu_ps(y + m * N + n0, _mm512_castps512_ps256(s));
+            if (m + 1 < M) _mm256_storeu_ps(y + (m + 1) * N + n0, gemm_upper256(s));
+        }
+        return;
+    }
+    for (int p = 0; p < P; p++)
+        for (int h = 0; h < 2; h++) {
+            const int64_t m = 2 * (p0 + p) + h;
+            if (m >= M) continue;
+            for (int j = 0; j < NR; j++) {
+                const int64_t n = n0 + j;
+                float s = hsum256(h ? gemm_upper256(acc[p][j]) : _mm512_castps512_ps256(acc[p][j]));
+                for (int64_t kk = k8 * 8; kk < K; kk++) s = fmaf(w[n * K + kk], x[m * K + kk], s);
+                y[m * N + n] = s + (bias ? bias[n] : 0.0f);
+            }
+        }
+}
+
+static void gemm_block_p(const float *x, const float *xp, int64_t M, int64_t K, int64_t p0,
+                         int P, const float *w, int64_t n0, int NR, const float *bias, float *y,
+                         int64_t N, const char *pf, int64_t pf_lines) {
+#define GEMM_NR_CASES(PC) switch (NR) {                                                   \
+        case 1: gemm_block512(x, xp, M, K, p0, PC, w, n0, 1, bias, y, N, pf, pf_lines); break;\
+        case 2: gemm_block512(x, xp, M, K, p0, PC, w, n0, 2, bias, y, N, pf, pf_lines); break;\
+        case 3: gemm_block512(x, xp, M, K, p0, PC, w, n0, 3, bias, y, N, pf, pf_lines); break;\
+        case 4: gemm_block512(x, xp, M, K, p0, PC, w, n0, 4, bias, y, N, pf, pf_lines); break;\
+        case 5: gemm_block512(x, xp, M, K, p0, PC, w, n0, 5, bias, y, N, pf, pf_lines); break;\
+        case 6: gemm_block512(x, xp, M, K, p0, PC, w, n0, 6, bias, y, N, pf, pf_lines); break;\
+        case 7: gemm_block512(x, xp, M, K, p0, PC, w, n0, 7, bias, y, N, pf, pf_lines); break;\
+        default: gemm_block512(x, xp, M, K, p0, PC, w, n0, 8, bias, y, N, pf, pf_lines); break; }
+    switch (P) {
+        case 1: GEMM_NR_CASES(1) break;
+        case 2: GEMM_NR_CASES(2) break;
+        default: GEMM_NR_CASES(3) break;
+    }
+#undef GEMM_NR_CASES
+}
+
+void tm_linear_blocked(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
+                       const float *bias, float *y, int nthreads) {
+    const int64_t pairs = (M + 1) / 2, nblocks = (N + GEMM_NR - 1) / GEMM_NR;
+    float *xp = (float *)aligned_alloc(64, ((size_t)(pairs * (K / 8) * 16) * sizeof(float) + 63) / 64 * 64);
+    if (!xp) {   /* no memory for the packed copy: the streaming kernel gives the same bits */
+        gemv_row_slices(x, M, K, w, N, bias, y, nthreads);
+        return;
+    }
+    gemm_pack_pairs(x, M, K, xp);
+    /* each thread owns a contiguous run of weight blocks: one stream of W per thread, each
+     * block read from memory once and then from L1 by every block of rows */
+    const int64_t pblocks = (pairs + GEMM_PAIRS - 1) / GEMM_PAIRS;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t n0 = b * GEMM_NR;
+        const int nr = (int)(N - n0 < GEMM_NR ? N - n0 : GEMM_NR);
+        /* the next block's weight rows are fetched into L2 while this one computes, spread
+         * over its row blocks: read from memory in the first row block alone, a block
+         * of 8 rows waited on DRAM there (gate_up and the head, whose W never stays cached) */
+        const int64_t next_rows = N - n0 - nr < GEMM_NR ? N - n0 - nr : GEMM_NR;
+        const int64_t lines = next_rows * K * (int64_t)sizeof(float) / 64;
+        const char *next = (const char *)(w + (n0 + nr) * K);
+        for (int64_t q = 0; q < pblocks; q++) {
+            const int64_t p0 = q * GEMM_PAIRS, l0 = q * lines / pblocks, l1 = (q + 1) * lines / pblocks;
+            gemm_block_p(x, xp, M, K, p0, (int)(pairs - p0 < GEMM_PAIRS ? pairs - p0 : GEMM_PAIRS),
+                         w, n0, nr, bias, y, N, next + l0 * 64, l1 - l0);
+        }
+    }
+    free(xp);
+}
+
+#else   /* AVX2 build */
+#define GEMM_MR 3   /* activation rows per block */
+#define GEMM_NR 4   /* weight rows per block */
+
+static inline __attribute__((always_inline)) void
+gemm_block256(const float *x, int64_t K, int64_t m0, const int MR, const float *w, int64_t n0,
+              const int NR, const float *bias, float *y, int64_t N) {
+    const int64_t k8 = K / 8;
+    __m256 acc[GEMM_MR][GEMM_NR];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t kb = 0; kb < k8; kb++) {
+        __m256 xv[GEMM_MR];
+        for (int i = 0; i < MR; i++) xv[i] = _mm256_loadu_ps(x + (m0 + i) * K + kb * 8);
+        for (int j = 0; j < NR; j++) {
+            __m256 wv = _mm256_loadu_ps(w + (n0 + j) * K + kb * 8);
+            for (int i = 0; i < MR; i++) acc[i][j] = _mm256_fmadd_ps(wv, xv[i], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) {
+            const int64_t m = m0 + i, n = n0 + j;
+            float s = hsum256(acc[i][j]);
+            for (int64_t kk = k8 * 8; kk < K; kk++) s = fmaf(w[n * K + kk], x[m * K + kk], s);
+            y[m * N + n] = s + (bias ? bias[n] : 0.0f);
+        }
+}
+
+static void gemm_block_m(const float *x, int64_t K, int64_t m0, int MR, const float *w,
+                         int64_t n0, int NR, const float *bias, float *y, int64_t N) {
+#define GEMM_NR_CASES(MC) switch (NR) {                                                   \
+        case 1: gemm_block256(x, K, m0, MC, w, n0, 1, bias, y, N); break;                 \
+        case 2: gemm_block256(x, K, m0, MC, w, n0, 2, bias, y, N); break;                 \
+        case 3: gemm_block256(x, K, m0, MC, w, n0, 3, bias, y, N); break;                 \
+        default: gemm_block256(x, K, m0, MC, w, n0, 4, bias, y, N); break; }
+    switch (MR) {
+        case 1: GEMM_NR_CASES(1) break;
+        case 2: GEMM_NR_CASES(2) break;
+        default: GEMM_NR_CASES(3) break;
+    }
+#undef GEMM_NR_CASES
+}
+
+void tm_linear_blocked(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
+                       const float *bias, float *y, int nthreads) {
+    const int64_t nblocks = (N + GEMM_NR - 1) / GEMM_NR;
+    #pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t n0 = b * GEMM_NR;
+        const int nr = (int)(N - n0 < GEMM_NR ? N - n0 : GEMM_NR);
+        for (int64_t m0 = 0; m0 < M; m0 += GEMM_MR)
+            gemm_block_m(x, K, m0, (int)(M - m0 < GEMM_MR ? M - m0 : GEMM_MR), w, n0, nr, bias, y, N);
+    }
+}
+#endif
