@@ -155,3 +155,24 @@ def test_engine_bf16_gemms_stay_close_to_float32(tiny_llama_dir):
         assert token in first_b or b.outputs[0].token_ids[0] != token
         if token == b.outputs[0].token_ids[0]:
             assert first_b[token].logprob == pytest.approx(first_a[token].logprob, abs=0.25)
+
+
+@needs_bf16
+def test_bf16_copy_takes_batched_steps_past_sixteen_rows(monkeypatch, tiny_llama_dir):
+    """With a bf16 copy, up to 16 rows stay on the float32 kernel and more take the copy
+    (the float kernel alone would take up to LINEAR_MAX_ROWS); the C stack stops there too."""
+    from tokenmill import LLM
+    from tokenmill.runner import fused_stack
+    layer = _layer()
+    prepacked.prepack_linears(layer, torch.bfloat16)
+    assert prepacked.float_kernel_rows(layer) == prepacked.BF16_FLOAT_ROWS < cpu_ops.LINEAR_MAX_ROWS
+    calls = []
+    real = prepacked.linear
+    monkeypatch.setattr(prepacked, "linear", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    layer(torch.randn(prepacked.BF16_FLOAT_ROWS, 96))
+    layer(torch.randn(prepacked.BF16_FLOAT_ROWS + 1, 96))
+    assert calls == [prepacked.BF16_FLOAT_ROWS + 1] or not cpu_ops.available()
+    for dtype, rows in (("bfloat16", prepacked.BF16_FLOAT_ROWS), ("float32", cpu_ops.LINEAR_MAX_ROWS)):
+        model = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, cpu_gemm_dtype=dtype).engine.model
+        if cpu_ops.available():
+            assert fused_stack.stack_plan(model).max_rows("fp32") == rows

@@ -28,6 +28,21 @@ PACK_ROWS_HINT = 64      # the row count oneDNN picks its blocked layout for; me
 #                          from 8 to 512 rows (above)
 
 
+# Where a layer's copy is bf16 (cpu_gemm_dtype), steps of more rows than this take it; up to
+# this many stay float32 on the small-M kernel (decode-sized), as before the blocked float
+# kernel took up to cpu_ops.LINEAR_MAX_ROWS: the bf16 mode is there for batched steps.
+BF16_FLOAT_ROWS = 16
+
+
+def float_kernel_rows(layer: nn.Module) -> int:
+    """The most rows of this layer's matmul that the float32 kernel (cpu_ops.linear) takes;
+    more go to the prepacked copy."""
+    entry = getattr(layer, "prepacked", None)
+    if entry is not None and entry[2] is torch.bfloat16:
+        return BF16_FLOAT_ROWS
+    return cpu_ops.LINEAR_MAX_ROWS
+
+
 def available() -> bool:
     return (torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")

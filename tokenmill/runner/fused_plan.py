@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tokenmill.layers import cpu_ops
+from tokenmill.layers import cpu_ops, prepacked
 from tokenmill.layers.activation import GeluTanhAndMul, SiluAndMul
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.layers.norm import GemmaRMSNorm, RMSNorm
@@ -202,6 +202,9 @@ class StackPlan:
         # parts whose values live only in their tiled copy: the C loop reads them at q8 steps only
         parts = [p for lins in layer_linears for _, _, pin in lins if isinstance(pin, list) for p in pin]
         self.tiled_only = any(p.qweight is None for p in parts)
+        self.float_rows = min([prepacked.float_kernel_rows(lin) for lins in layer_linears
+                               for lin, _, pin in lins if not isinstance(pin, list)],
+                              default=cpu_ops.LINEAR_MAX_ROWS)
         # q8 steps take every part's tiled copy (tm_qgemm_q8: any row count)
         self.all_tiled = all(p.tiled is not None for p in parts)
 
@@ -239,10 +242,10 @@ class StackPlan:
 
     def max_rows(self, activations: str) -> int:
         """The most rows a step may have here: as many as the float kernel takes
-        (cpu_ops.LINEAR_MAX_ROWS), and no more than a packed method's streaming kernel takes
+        (prepacked.float_kernel_rows of every float linear), and no more than a packed method's streaming kernel takes
         where a part streams (float activations, or q8 over a part without a tiled copy): the
         modules would run a dequantized GEMM there instead, with other bits."""
-        rows = cpu_ops.LINEAR_MAX_ROWS
+        rows = self.float_rows
         for method in self.packed_methods:
             if activations != "q8" or not self.all_tiled:
                 rows = min(rows, method.kernel_max_rows)

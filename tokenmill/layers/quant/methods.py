@@ -85,7 +85,7 @@ class UnquantizedLinearMethod(LinearMethod):
     def apply(self, layer, x, bias):
         if not self.cpu_kernels or x.dim() != 2:
             return F.linear(x, layer.weight, bias)
-        if x.shape[0] <= cpu_ops.LINEAR_MAX_ROWS:   # decode: stream W once
+        if x.shape[0] <= prepacked.float_kernel_rows(layer):   # decode-sized: the C kernel
             y = cpu_ops.linear(x, layer.weight, bias)
             if y is not None:
                 return y
