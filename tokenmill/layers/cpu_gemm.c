@@ -74,18 +74,22 @@ static inline __attribute__((always_inline)) void
 gemm_block512(const float *x, const float *xp, int64_t M, int64_t K, int64_t p0, const int P,
               const float *w, int64_t n0, const int NR, const float *bias, float *y, int64_t N,
               const char *pf, int64_t pf_lines) {
-    const int64_t k8 = K / 8, pf_per = k8 ? (pf_lines + k8 - 1) / k8 : 0;
+    const int64_t k8 = K / 8;
     __m512 acc[GEMM_PAIRS][GEMM_NR];
     for (int p = 0; p < P; p++)
         for (int j = 0; j < NR; j++) acc[p][j] = _mm512_setzero_ps();
-    const float *xb = xp + p0 * k8 * 16;
-    for (int64_t kb = 0; kb < k8; kb++) {
+    /* few live addresses (integer registers ran out and spilled): two weight-row bases
+     * four rows apart and one x base, each stepped along k */
+    const float *xb = xp + p0 * k8 * 16, *w0 = w + n0 * K, *w4 = w0 + 4 * K;
+    const int64_t xs = k8 * 16;
+    for (int64_t kb = 0; kb < k8; kb++, xb += 16, w0 += 8, w4 += 8) {
         __m512 xv[GEMM_PAIRS];
-        for (int p = 0; p < P; p++) xv[p] = _mm512_loadu_ps(xb + (p * k8 + kb) * 16);
-        for (int64_t l = kb * pf_per; l < (kb + 1) * pf_per && l < pf_lines; l++)
-            _mm_prefetch(pf + l * 64, _MM_HINT_T1);
+        for (int p = 0; p < P; p++) xv[p] = _mm512_loadu_ps(xb + p * xs);
+        /* two lines of the next block per step (its rows split over >= 2 row blocks) */
+        if (2 * kb < pf_lines) _mm_prefetch(pf + 2 * kb * 64, _MM_HINT_T1);
+        if (2 * kb + 1 < pf_lines) _mm_prefetch(pf + (2 * kb + 1) * 64, _MM_HINT_T1);
         for (int j = 0; j < NR; j++) {
-            __m512 wv = gemm_broadcast256(w + (n0 + j) * K + kb * 8);
+            __m512 wv = gemm_broadcast256((j < 4 ? w0 : w4) + (j & 3) * K);
             for (int p = 0; p < P; p++) acc[p][j] = _mm512_fmadd_ps(wv, xv[p], acc[p][j]);
         }
     }

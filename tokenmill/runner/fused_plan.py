@@ -241,10 +241,11 @@ class StackPlan:
         return None if self.tiled_only and mode != "q8" else mode
 
     def max_rows(self, activations: str) -> int:
-        """The most rows a step may have here: as many as the float kernel takes
-        (prepacked.float_kernel_rows of every float linear), and no more than a packed method's streaming kernel takes
-        where a part streams (float activations, or q8 over a part without a tiled copy): the
-        modules would run a dequantized GEMM there instead, with other bits."""
+        """The most rows a step may have here: as many as the float kernel takes for every
+        float linear (prepacked.float_kernel_rows), and no more than a packed method's
+        streaming kernel takes where a part streams (float activations, or q8 over a part
+        without a tiled copy): past that the modules multiply a dequantized copy, with other
+        bits."""
         rows = self.float_rows
         for method in self.packed_methods:
             if activations != "q8" or not self.all_tiled:
