@@ -66,7 +66,8 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 # row. Against oneDNN's prepacked GEMM, W read from memory as in a decode step (Emerald
 # Rapids, 2 threads, SmolLM2's four shapes), the blocked kernel is ahead at 16-64 rows
 # (32 rows: 140-168 vs 103-146 GFLOP/s) and behind from ~96 on: prefill and larger
-# batches stay with oneDNN.
+# batches stay with oneDNN. The AVX2 build is about even with oneDNN held to AVX2 (same CPU;
+# no AVX2-only machine measured), and the C stack then covers those steps too.
 LINEAR_MAX_ROWS = 64
 
 

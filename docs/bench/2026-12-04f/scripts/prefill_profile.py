@@ -1,5 +1,5 @@
 # usage: python prefill_profile.py PRECISION [TREE] [prof]: a 512-token prefill alone, seconds to the first token (5 runs), optional cProfile
-import sys, time, random, cProfile, pstats
+import sys, random, cProfile, pstats
 sys.path.insert(0, sys.argv[2] if len(sys.argv) > 2 else "/work/main")
 from tokenmill.bench.peers.tokenmill_engine import TokenmillEngine
 spec = dict(precision=sys.argv[1], model_path="/root/.cache/tokenmill/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf",
