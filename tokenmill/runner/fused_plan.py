@@ -246,11 +246,9 @@ class StackPlan:
         streaming kernel takes where a part streams (float activations, or q8 over a part
         without a tiled copy): past that the modules multiply a dequantized copy, with other
         bits."""
-        rows = self.float_rows
-        for method in self.packed_methods:
-            if activations != "q8" or not self.all_tiled:
-                rows = min(rows, method.kernel_max_rows)
-        return rows
+        if activations == "q8" and self.all_tiled:
+            return self.float_rows
+        return min([self.float_rows] + [m.kernel_max_rows for m in self.packed_methods])
 
     def usable(self) -> bool:
         """Same weights as when planned and no hooks that eager mode would run."""
