@@ -35,7 +35,8 @@ class ModelConfig:
     enforce_eager: bool = False
     # "dummy": config.json only, random weights (speed measurements at any size, no download).
     load_format: str = "auto"
-    # Weight quantization: None, "int8", "int4" / "int4-g32|g64|g128", "fp8" (online RTN), or
+    # Weight quantization: None, "int8", "int4" / "int4-g32|g64|g128", "fp8" (online RTN),
+    # "bf16" / "fp16" (linear weights rounded to 16 bits, float32 activations and sums), or
     # "gguf" (keep GGUF Q8_0/Q4_0/Q4_1 packed). GPTQ / AWQ / FP8 checkpoints need none.
     quantization: Optional[str] = None
     # Activations of int8 / int4 weight matmuls: "fp32" (exact up to summation order) or

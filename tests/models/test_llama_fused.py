@@ -49,7 +49,8 @@ def _generate(model_dir, prompts, fused: bool, monkeypatch, calls: list, quantiz
                                                    (6, "gptq-act-order:q8", "auto"),
                                                    (1, "gguf", "auto"), (3, "gguf:q8", "auto"),
                                                    (3, None, "bf16"), (1, "int8", "fp16"),
-                                                   (24, None, "auto"), (24, "int8:q8", "int8")])
+                                                   (24, None, "auto"), (24, "int8:q8", "int8"),
+                                                   (1, "bf16", "auto"), (24, "fp16", "fp16")])
 def test_fused_stack_is_bit_identical_to_the_modules(model_dir, monkeypatch, tmp_path, batch,
                                                       quantization, kv):
     """":q8": int8-rounded activations for the int8 / int4 linears (the C stack calls the

@@ -17,7 +17,8 @@ median over rounds (each round's value kept under "rounds").
 Rows state their precision: tokenmill "fp32" (GGUF dequantized to float32), "gguf" (GGUF
 blocks kept packed, float activations) and "gguf-q8" (the same blocks, activations rounded to
 int8 per 32 values for integer dot products: llama.cpp's own scheme, so the like-for-like row
-against llama.cpp on the same file); transformers fp32 (the GGUF dequantized by
+against llama.cpp on the same file), "bf16" (float32 weights, many-row matmuls on a bf16 oneDNN
+copy) and "bf16w" / "fp16w" (weights rounded to 16 bits, float32 activations); transformers fp32 (the GGUF dequantized by
 transformers); llama.cpp "gguf" (the original file, e.g. Q4_1) and "fp32" (an F32 GGUF
 written once from the same dequantized tensors, cached next to the model). A missing peer is
 a row saying so, never an error. Peers are optional: pip install 'tokenmill[peers]', with
@@ -216,8 +217,9 @@ def add_comparisons(rows: list[dict], output_len: int, bandwidth_gbps: float,
 
 
 # a peer row's tokenmill counterpart, first present wins: llama.cpp on a GGUF rounds
-# activations to 8 bits, as tokenmill's gguf-q8 row does
-_LIKE_FOR_LIKE = {"gguf": ("gguf-q8", "gguf")}
+# activations to 8 bits, as tokenmill's gguf-q8 row does; vLLM's bf16 (bf16 weights and
+# activations) meets tokenmill's bf16 GEMM copy, else its bf16 weights
+_LIKE_FOR_LIKE = {"gguf": ("gguf-q8", "gguf"), "bf16": ("bf16", "bf16w")}
 
 
 def goals(rows: list[dict]) -> list[dict]:

@@ -58,8 +58,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quantization", default=None,
-                   help="weights: int8, int4, int4-g32|g64|g128, fp8 (online RTN) or gguf (keep a "
-                        "GGUF's Q8_0 / Q4_0 / Q4_1 blocks packed); GPTQ / AWQ / FP8 checkpoints need none")
+                   help="weights: int8, int4, int4-g32|g64|g128, fp8 (online RTN), bf16 / fp16 "
+                        "(16-bit weights, float32 activations) or gguf (keep a GGUF's Q8_0 / Q4_0 / "
+                        "Q4_1 blocks packed); GPTQ / AWQ / FP8 checkpoints need none")
     g.add_argument("--quant-activations", choices=["fp32", "q8"],
                    default=_env_default("TOKENMILL_QMM_ACTIVATIONS", ("fp32", "q8"), "fp32"),
                    help="activations of int8 / int4 weight matmuls: fp32 (exact, default) or q8 "

@@ -47,7 +47,7 @@ def add_eval_parser(sub) -> None:
     ev_sub = ev.add_subparsers(dest="eval_command", required=True)
     p = ev_sub.add_parser("ppl", help="perplexity on the held-out ShareGPT split")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--quantization", default=None, help="online scheme: int8, int4, int4-g32, fp8, gguf")
+    p.add_argument("--quantization", default=None, help="online scheme: int8, int4, int4-g32, fp8, bf16, fp16, gguf")
     p.add_argument("--max-tokens", type=int, default=4096, help="tokens scored")
     p.add_argument("--context-len", type=int, default=512)
     p.add_argument("--kl-base", default=None,

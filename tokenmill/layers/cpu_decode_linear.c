@@ -3,7 +3,8 @@
  *
  * A linear is described by DEC_PARTS parts of DEC_FIELDS int64 each ({kind, weight, scale,
  * mins, group, n, perm, tiled qw, tiled sc, tiled mn, tiled kind}; kind -1 = float32 weight
- * [n, K], 0/1/2 = int8/int4/fp8 packed for tm_qmm (| KIND_HALF: float16 scales), -2 = no
+ * [n, K], -3 = 16-bit weight [n, K] of value type {field 2: KV_F16 / KV_BF16} for
+ * tm_linear_half, 0/1/2 = int8/int4/fp8 packed for tm_qmm (| KIND_HALF: float16 scales), -2 = no
  * part; perm: 0 or an int64 [K] input-column order, GPTQ act-order; tiled: 0 or the part's
  * copy for tm_qgemm_q8 (its own kind: 5-bit tiles hold int8 values), which q8 steps take,
  * as matmul.py does): the parts' outputs are concatenated, as the Python linear methods do
@@ -20,6 +21,10 @@ static int dec_part(const int64_t *d, const float *in, int64_t T, int64_t K, con
     const int64_t kind = d[0], n = d[5];
     if (kind == -1) {   /* the float module adds its bias inside the kernel: so do we */
         tm_linear_small_m(in, T, K, (const float *)d[1], n, bias, dst, nthreads);
+        return 0;
+    }
+    if (kind == -3) {   /* likewise the 16-bit weight's module */
+        tm_linear_half(in, T, K, (const void *)d[1], (int)d[2], n, bias, dst, nthreads);
         return 0;
     }
     if (q8 && d[7])   /* i8 / i4 with a tiled copy (scales of the part's dtype) */
@@ -41,7 +46,7 @@ static int dec_part(const int64_t *d, const float *in, int64_t T, int64_t K, con
 static int dec_linear(const int64_t *desc, const float *bias, const float *x, int64_t T, int64_t K,
                       int64_t ntot, float *y, float *tmp, float *xp, int q8, int nthreads) {
     int64_t off = 0;
-    const int single = desc[DEC_FIELDS] == -2, is_float = desc[0] == -1;
+    const int single = desc[DEC_FIELDS] == -2, is_float = desc[0] == -1 || desc[0] == -3;
     for (int p = 0; p < DEC_PARTS && desc[p * DEC_FIELDS] != -2; p++) {
         const int64_t *d = desc + p * DEC_FIELDS, n = d[5];
         const int64_t *perm = (const int64_t *)d[6];

@@ -17,7 +17,35 @@
  * AVX2 build: 256-bit accumulators, 3 rows x 4 weight rows (12 accumulators).
  *
  * Against oneDNN's prepacked GEMM on SmolLM2's shapes, W read from memory: ahead from 16
- * to 64 rows in the AVX-512 build, about even in the AVX2 one (oneDNN held to AVX2). */
+ * to 64 rows in the AVX-512 build, about even in the AVX2 one (oneDNN held to AVX2).
+ *
+ * 16-bit weights (dt KV_F16 / KV_BF16): each thread widens a block of weight rows into a
+ * float32 copy of its own once, and the same block loop reads that copy: the bits of the
+ * float32 kernel on the widened weight, with half the bytes read from memory. Rows come in
+ * chunks of GEMM_CHUNK_ROWS, so the packed rows stay in L2 whatever M is (prefill). */
+
+#define GEMM_CHUNK_ROWS 64
+
+/* Rows [0, nr) of a weight block starting at w (value type dt, K per row) as float32 [nr, K]. */
+static inline __attribute__((always_inline)) void
+gemm_widen_rows_as(const void *w, const int dt, int64_t nr, int64_t K, float *dst) {
+    const int64_t n = nr * K;
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
+        _mm512_storeu_ps(dst + i, dt == KV_F16 ? _mm512_cvtph_ps(h)
+                         : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+#endif
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, kv_load8(w, i, dt));
+    for (; i < n; i++) dst[i] = kv_load1(w, i, dt);
+}
+
+static void gemm_widen_rows(const void *w, int dt, int64_t nr, int64_t K, float *dst) {
+    if (dt == KV_F16) gemm_widen_rows_as(w, KV_F16, nr, K, dst);
+    else gemm_widen_rows_as(w, KV_BF16, nr, K, dst);
+}
 
 #ifdef __AVX512F__
 #define GEMM_PAIRS 3   /* pairs of activation rows per block (6 rows) */
@@ -68,11 +96,12 @@ static inline __m512 gemm_hsum16(const __m512 *acc) {
     return _mm512_permutexvar_ps(order, s);
 }
 
-/* Outputs of rows [2 p0, 2 p0 + 2 P) x weight rows [n0, n0 + NR); P and NR are constants at
- * each call site (gemm_block_p below), so the loops unroll into registers. */
+/* Outputs of rows [2 p0, 2 p0 + 2 P) x weight rows [n0, n0 + NR), whose float32 values are
+ * wb [NR, K]; P and NR are constants at each call site (gemm_block_p below), so the loops
+ * unroll into registers. */
 static inline __attribute__((always_inline)) void
 gemm_block512(const float *x, const float *xp, int64_t M, int64_t K, int64_t p0, const int P,
-              const float *w, int64_t n0, const int NR, const float *bias, float *y, int64_t N,
+              const float *wb, int64_t n0, const int NR, const float *bias, float *y, int64_t N,
               const char *pf, int64_t pf_lines) {
     const int64_t k8 = K / 8;
     __m512 acc[GEMM_PAIRS][GEMM_NR];
@@ -80,7 +109,7 @@ gemm_block512(const float *x, const float *xp, int64_t M, int64_t K, int64_t p0,
         for (int j = 0; j < NR; j++) acc[p][j] = _mm512_setzero_ps();
     /* few live addresses (integer registers ran out and spilled): two weight-row bases
      * four rows apart and one x base, each stepped along k */
-    const float *xb = xp + p0 * k8 * 16, *w0 = w + n0 * K, *w4 = w0 + 4 * K;
+    const float *xb = xp + p0 * k8 * 16, *w0 = wb, *w4 = w0 + 4 * K;
     const int64_t xs = k8 * 16;
     for (int64_t kb = 0; kb < k8; kb++, xb += 16, w0 += 8, w4 += 8) {
         __m512 xv[GEMM_PAIRS];
@@ -111,24 +140,24 @@ gemm_block512(const float *x, const float *xp, int64_t M, int64_t K, int64_t p0,
             for (int j = 0; j < NR; j++) {
                 const int64_t n = n0 + j;
                 float s = hsum256(h ? gemm_upper256(acc[p][j]) : _mm512_castps512_ps256(acc[p][j]));
-                for (int64_t kk = k8 * 8; kk < K; kk++) s = fmaf(w[n * K + kk], x[m * K + kk], s);
+                for (int64_t kk = k8 * 8; kk < K; kk++) s = fmaf(wb[j * K + kk], x[m * K + kk], s);
                 y[m * N + n] = s + (bias ? bias[n] : 0.0f);
             }
         }
 }
 
 static void gemm_block_p(const float *x, const float *xp, int64_t M, int64_t K, int64_t p0,
-                         int P, const float *w, int64_t n0, int NR, const float *bias, float *y,
+                         int P, const float *wb, int64_t n0, int NR, const float *bias, float *y,
                          int64_t N, const char *pf, int64_t pf_lines) {
 #define GEMM_NR_CASES(PC) switch (NR) {                                                   \
-        case 1: gemm_block512(x, xp, M, K, p0, PC, w, n0, 1, bias, y, N, pf, pf_lines); break;\
-        case 2: gemm_block512(x, xp, M, K, p0, PC, w, n0, 2, bias, y, N, pf, pf_lines); break;\
-        case 3: gemm_block512(x, xp, M, K, p0, PC, w, n0, 3, bias, y, N, pf, pf_lines); break;\
-        case 4: gemm_block512(x, xp, M, K, p0, PC, w, n0, 4, bias, y, N, pf, pf_lines); break;\
-        case 5: gemm_block512(x, xp, M, K, p0, PC, w, n0, 5, bias, y, N, pf, pf_lines); break;\
-        case 6: gemm_block512(x, xp, M, K, p0, PC, w, n0, 6, bias, y, N, pf, pf_lines); break;\
-        case 7: gemm_block512(x, xp, M, K, p0, PC, w, n0, 7, bias, y, N, pf, pf_lines); break;\
-        default: gemm_block512(x, xp, M, K, p0, PC, w, n0, 8, bias, y, N, pf, pf_lines); break; }
+        case 1: gemm_block512(x, xp, M, K, p0, PC, wb, n0, 1, bias, y, N, pf, pf_lines); break;\
+        case 2: gemm_block512(x, xp, M, K, p0, PC, wb, n0, 2, bias, y, N, pf, pf_lines); break;\
+        case 3: gemm_block512(x, xp, M, K, p0, PC, wb, n0, 3, bias, y, N, pf, pf_lines); break;\
+        case 4: gemm_block512(x, xp, M, K, p0, PC, wb, n0, 4, bias, y, N, pf, pf_lines); break;\
+        case 5: gemm_block512(x, xp, M, K, p0, PC, wb, n0, 5, bias, y, N, pf, pf_lines); break;\
+        case 6: gemm_block512(x, xp, M, K, p0, PC, wb, n0, 6, bias, y, N, pf, pf_lines); break;\
+        case 7: gemm_block512(x, xp, M, K, p0, PC, wb, n0, 7, bias, y, N, pf, pf_lines); break;\
+        default: gemm_block512(x, xp, M, K, p0, PC, wb, n0, 8, bias, y, N, pf, pf_lines); break; }
     switch (P) {
         case 1: GEMM_NR_CASES(1) break;
         case 2: GEMM_NR_CASES(2) break;
@@ -137,34 +166,53 @@ static void gemm_block_p(const float *x, const float *xp, int64_t M, int64_t K, 
 #undef GEMM_NR_CASES
 }
 
-void tm_linear_blocked(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
-                       const float *bias, float *y, int nthreads) {
+/* Rows [0, M <= GEMM_CHUNK_ROWS) against every weight row; xp: the rows' packed copy,
+ * wide: nthreads float32 blocks of GEMM_NR x K (16-bit weights only). */
+static void gemm_rows512(const float *x, int64_t M, int64_t K, const void *w, int dt, int64_t N,
+                         const float *bias, float *y, int nthreads, float *xp, float *wide) {
     const int64_t pairs = (M + 1) / 2, nblocks = (N + GEMM_NR - 1) / GEMM_NR;
-    float *xp = (float *)aligned_alloc(64, ((size_t)(pairs * (K / 8) * 16) * sizeof(float) + 63) / 64 * 64);
-    if (!xp) {   /* no memory for the packed copy: the streaming kernel gives the same bits */
-        gemv_row_slices(x, M, K, w, N, bias, y, nthreads);
-        return;
-    }
+    const int64_t esize = kv_elem_bytes(dt), pblocks = (pairs + GEMM_PAIRS - 1) / GEMM_PAIRS;
     gemm_pack_pairs(x, M, K, xp);
     /* each thread owns a contiguous run of weight blocks: one stream of W per thread, each
      * block read from memory once and then from L1 by every block of rows */
-    const int64_t pblocks = (pairs + GEMM_PAIRS - 1) / GEMM_PAIRS;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t b = 0; b < nblocks; b++) {
-        const int64_t n0 = b * GEMM_NR;
-        const int nr = (int)(N - n0 < GEMM_NR ? N - n0 : GEMM_NR);
-        /* the next block's weight rows are fetched into L2 while this one computes, spread
-         * over its row blocks: read from memory in the first row block alone, a block
-         * of 8 rows waited on DRAM there (gate_up and the head, whose W never stays cached) */
-        const int64_t next_rows = N - n0 - nr < GEMM_NR ? N - n0 - nr : GEMM_NR;
-        const int64_t lines = next_rows * K * (int64_t)sizeof(float) / 64;
-        const char *next = (const char *)(w + (n0 + nr) * K);
-        for (int64_t q = 0; q < pblocks; q++) {
-            const int64_t p0 = q * GEMM_PAIRS, l0 = q * lines / pblocks, l1 = (q + 1) * lines / pblocks;
-            gemm_block_p(x, xp, M, K, p0, (int)(pairs - p0 < GEMM_PAIRS ? pairs - p0 : GEMM_PAIRS),
-                         w, n0, nr, bias, y, N, next + l0 * 64, l1 - l0);
+    for (int t = 0; t < nthreads; t++) {
+        float *own = wide + (int64_t)t * GEMM_NR * K;
+        for (int64_t b = nblocks * t / nthreads; b < nblocks * (t + 1) / nthreads; b++) {
+            const int64_t n0 = b * GEMM_NR;
+            const int nr = (int)(N - n0 < GEMM_NR ? N - n0 : GEMM_NR);
+            const char *rows = (const char *)w + n0 * K * esize;
+            const float *wb = (const float *)rows;
+            if (dt != KV_F32) { gemm_widen_rows(rows, dt, nr, K, own); wb = own; }
+            /* the next block's weight rows are fetched into L2 while this one computes,
+             * spread over its row blocks: read from memory in the first row block alone, a
+             * block of 8 rows waited on DRAM there (gate_up and the head, whose W never
+             * stays cached) */
+            const int64_t next_rows = N - n0 - nr < GEMM_NR ? N - n0 - nr : GEMM_NR;
+            const int64_t lines = next_rows * K * esize / 64;
+            const char *next = rows + nr * K * esize;
+            for (int64_t q = 0; q < pblocks; q++) {
+                const int64_t p0 = q * GEMM_PAIRS, l0 = q * lines / pblocks, l1 = (q + 1) * lines / pblocks;
+                gemm_block_p(x, xp, M, K, p0, (int)(pairs - p0 < GEMM_PAIRS ? pairs - p0 : GEMM_PAIRS),
+                             wb, n0, nr, bias, y, N, next + l0 * 64, l1 - l0);
+            }
         }
     }
+}
+
+static void linear_blocked_as(const float *x, int64_t M, int64_t K, const void *w, int dt,
+                              int64_t N, const float *bias, float *y, int nthreads) {
+    const int64_t rows = M < GEMM_CHUNK_ROWS ? M : GEMM_CHUNK_ROWS;
+    const size_t xp_floats = (size_t)(((rows + 1) / 2) * (K / 8) * 16);
+    const size_t wide_floats = dt == KV_F32 ? 0 : (size_t)nthreads * GEMM_NR * (size_t)K;
+    float *xp = (float *)aligned_alloc(64, ((xp_floats + wide_floats) * sizeof(float) + 63) / 64 * 64);
+    if (!xp) {   /* no memory for the packed copies: the streaming kernel gives the same bits */
+        gemv_row_slices(x, M, K, w, dt, N, bias, y, nthreads);
+        return;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += GEMM_CHUNK_ROWS)
+        gemm_rows512(x + m0 * K, M - m0 < GEMM_CHUNK_ROWS ? M - m0 : GEMM_CHUNK_ROWS, K, w, dt, N,
+                     bias, y + m0 * N, nthreads, xp, xp + xp_floats);
     free(xp);
 }
 
@@ -173,7 +221,7 @@ void tm_linear_blocked(const float *x, int64_t M, int64_t K, const float *w, int
 #define GEMM_NR 4   /* weight rows per block */
 
 static inline __attribute__((always_inline)) void
-gemm_block256(const float *x, int64_t K, int64_t m0, const int MR, const float *w, int64_t n0,
+gemm_block256(const float *x, int64_t K, int64_t m0, const int MR, const float *wb, int64_t n0,
               const int NR, const float *bias, float *y, int64_t N) {
     const int64_t k8 = K / 8;
     __m256 acc[GEMM_MR][GEMM_NR];
@@ -183,7 +231,7 @@ gemm_block256(const float *x, int64_t K, int64_t m0, const int MR, const float *
         __m256 xv[GEMM_MR];
         for (int i = 0; i < MR; i++) xv[i] = _mm256_loadu_ps(x + (m0 + i) * K + kb * 8);
         for (int j = 0; j < NR; j++) {
-            __m256 wv = _mm256_loadu_ps(w + (n0 + j) * K + kb * 8);
+            __m256 wv = _mm256_loadu_ps(wb + j * K + kb * 8);
             for (int i = 0; i < MR; i++) acc[i][j] = _mm256_fmadd_ps(wv, xv[i], acc[i][j]);
         }
     }
@@ -191,18 +239,18 @@ gemm_block256(const float *x, int64_t K, int64_t m0, const int MR, const float *
         for (int j = 0; j < NR; j++) {
             const int64_t m = m0 + i, n = n0 + j;
             float s = hsum256(acc[i][j]);
-            for (int64_t kk = k8 * 8; kk < K; kk++) s = fmaf(w[n * K + kk], x[m * K + kk], s);
+            for (int64_t kk = k8 * 8; kk < K; kk++) s = fmaf(wb[j * K + kk], x[m * K + kk], s);
             y[m * N + n] = s + (bias ? bias[n] : 0.0f);
         }
 }
 
-static void gemm_block_m(const float *x, int64_t K, int64_t m0, int MR, const float *w,
+static void gemm_block_m(const float *x, int64_t K, int64_t m0, int MR, const float *wb,
                          int64_t n0, int NR, const float *bias, float *y, int64_t N) {
 #define GEMM_NR_CASES(MC) switch (NR) {                                                   \
-        case 1: gemm_block256(x, K, m0, MC, w, n0, 1, bias, y, N); break;                 \
-        case 2: gemm_block256(x, K, m0, MC, w, n0, 2, bias, y, N); break;                 \
-        case 3: gemm_block256(x, K, m0, MC, w, n0, 3, bias, y, N); break;                 \
-        default: gemm_block256(x, K, m0, MC, w, n0, 4, bias, y, N); break; }
+        case 1: gemm_block256(x, K, m0, MC, wb, n0, 1, bias, y, N); break;                 \
+        case 2: gemm_block256(x, K, m0, MC, wb, n0, 2, bias, y, N); break;                 \
+        case 3: gemm_block256(x, K, m0, MC, wb, n0, 3, bias, y, N); break;                 \
+        default: gemm_block256(x, K, m0, MC, wb, n0, 4, bias, y, N); break; }
     switch (MR) {
         case 1: GEMM_NR_CASES(1) break;
         case 2: GEMM_NR_CASES(2) break;
@@ -211,15 +259,40 @@ static void gemm_block_m(const float *x, int64_t K, int64_t m0, int MR, const fl
 #undef GEMM_NR_CASES
 }
 
-void tm_linear_blocked(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
-                       const float *bias, float *y, int nthreads) {
-    const int64_t nblocks = (N + GEMM_NR - 1) / GEMM_NR;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
-    for (int64_t b = 0; b < nblocks; b++) {
-        const int64_t n0 = b * GEMM_NR;
-        const int nr = (int)(N - n0 < GEMM_NR ? N - n0 : GEMM_NR);
-        for (int64_t m0 = 0; m0 < M; m0 += GEMM_MR)
-            gemm_block_m(x, K, m0, (int)(M - m0 < GEMM_MR ? M - m0 : GEMM_MR), w, n0, nr, bias, y, N);
+static void linear_blocked_as(const float *x, int64_t M, int64_t K, const void *w, int dt,
+                              int64_t N, const float *bias, float *y, int nthreads) {
+    const int64_t nblocks = (N + GEMM_NR - 1) / GEMM_NR, esize = kv_elem_bytes(dt);
+    float *wide = NULL;
+    if (dt != KV_F32) {
+        wide = (float *)aligned_alloc(64, ((size_t)nthreads * GEMM_NR * (size_t)K * sizeof(float) + 63) / 64 * 64);
+        if (!wide) {   /* the streaming kernel gives the same bits */
+            gemv_row_slices(x, M, K, w, dt, N, bias, y, nthreads);
+            return;
+        }
     }
+    for (int64_t c0 = 0; c0 < M; c0 += GEMM_CHUNK_ROWS) {
+        const int64_t c1 = M - c0 < GEMM_CHUNK_ROWS ? M : c0 + GEMM_CHUNK_ROWS;
+        #pragma omp parallel for schedule(static) num_threads(nthreads)
+        for (int t = 0; t < nthreads; t++) {
+            float *own = wide ? wide + (int64_t)t * GEMM_NR * K : NULL;
+            for (int64_t b = nblocks * t / nthreads; b < nblocks * (t + 1) / nthreads; b++) {
+                const int64_t n0 = b * GEMM_NR;
+                const int nr = (int)(N - n0 < GEMM_NR ? N - n0 : GEMM_NR);
+                const char *rows = (const char *)w + n0 * K * esize;
+                const float *wb = (const float *)rows;
+                if (own) { gemm_widen_rows(rows, dt, nr, K, own); wb = own; }
+                for (int64_t m0 = c0; m0 < c1; m0 += GEMM_MR)
+                    gemm_block_m(x, K, m0, (int)(c1 - m0 < GEMM_MR ? c1 - m0 : GEMM_MR), wb, n0, nr,
+                                 bias, y, N);
+            }
+        }
+    }
+    free(wide);
 }
 #endif
+
+/* The float32 entry point (tests, benchmarks): any M through the blocked loop. */
+void tm_linear_blocked(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
+                       const float *bias, float *y, int nthreads) {
+    linear_blocked_as(x, M, K, w, KV_F32, N, bias, y, nthreads);
+}

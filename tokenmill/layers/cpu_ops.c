@@ -9,6 +9,7 @@
  *   tm_gelu_tanh_mul   gelu_tanh(gate) * up, likewise (Gemma)
  *   tm_linear_small_m  x W^T for decode-sized x: one to eight rows stream W once, more
  *                      take the blocked kernel of cpu_gemm.c (same bits per row)
+ *   tm_linear_half     the same for 16-bit (fp16 / bf16) weights, widened in registers
  *   tm_argmax_rows     the greedy token of each logits row (torch.argmax's answer)
  * Plain-PyTorch references live beside the callers (tokenmill/layers/cpu_ops.py) and the
  * tests compare the two.
@@ -147,66 +148,93 @@ void tm_gelu_tanh_mul(const float *x, int64_t T, int64_t I, float *out, int nthr
  * would). Up to GEMV_MAX_M rows share one pass over W; more take cpu_gemm.c's blocked
  * kernel, which keeps these chains. */
 #define GEMV_MAX_M 8
-/* Prefetch distance in floats (4 KB): the hardware prefetchers alone left the stream at
- * 19-24 GB/s at one row and 15-17 at four on an Emerald Rapids Xeon, 2 threads; 4 KB ahead
- * read 24-28 and 23-26 (a few rows of a 576-column weight; past the end it is a no-op). */
-#define GEMV_PREFETCH 1024
+/* Prefetch distance in bytes: the hardware prefetchers alone left the stream at 19-24
+ * GB/s at one row and 15-17 at four on an Emerald Rapids Xeon, 2 threads; 4 KB ahead read
+ * 24-28 and 23-26 (a few rows of a 576-column weight; past the end it is a no-op). */
+#define GEMV_PREFETCH_BYTES 4096
+/* 16-bit weights: 8 KB ahead (the LM head at one row: 16-18 GB/s at 4 KB, 19 at 8 KB; 2 KB
+ * read 16-18, 16 KB 18-22, same box, noisy) */
+#define GEMV_PREFETCH_HALF 8192
 
-/* Weight row n against M (compile-time 1..GEMV_MAX_M at each call) activation rows. */
-static inline void gemv_row_chain(const float *x, const int M, int64_t K, const float *w,
-                                  const float *bias, float *y, int64_t N, int64_t n) {
+/* Weight row n against M (compile-time 1..GEMV_MAX_M at each call) activation rows. W has
+ * value type dt (KV_F32, or KV_F16 / KV_BF16: 16-bit weights widened exactly to float32 in
+ * registers), so a 16-bit weight gives the bits of float32 math on its widened values. */
+static inline __attribute__((always_inline)) void
+gemv_row_chain(const float *x, const int M, int64_t K, const void *w, const int dt,
+               const float *bias, float *y, int64_t N, int64_t n) {
     __m256 acc[GEMV_MAX_M];
-    const float *wr = w + n * K;
+    const int64_t esize = kv_elem_bytes(dt);
+    const void *wr = (const char *)w + n * K * esize;
     for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
-        if ((k & 15) == 0)   /* one cache line of the stream GEMV_PREFETCH floats ahead */
-            _mm_prefetch((const char *)(wr + k + GEMV_PREFETCH), _MM_HINT_T0);
-        __m256 a = _mm256_loadu_ps(wr + k);
+        if (((k * esize) & 63) == 0)   /* one cache line of the stream, a few KB ahead */
+            _mm_prefetch((const char *)wr + k * esize + (esize == 4 ? GEMV_PREFETCH_BYTES : GEMV_PREFETCH_HALF), _MM_HINT_T0);
+        __m256 a = kv_load8(wr, k, dt);
         for (int m = 0; m < M; m++) acc[m] = _mm256_fmadd_ps(a, _mm256_loadu_ps(x + m * K + k), acc[m]);
     }
     for (int m = 0; m < M; m++) {
         float s = hsum256(acc[m]);
-        for (int64_t kk = k; kk < K; kk++) s = fmaf(wr[kk], x[m * K + kk], s);
+        for (int64_t kk = k; kk < K; kk++) s = fmaf(kv_load1(wr, kk, dt), x[m * K + kk], s);
         y[m * N + n] = s + (bias ? bias[n] : 0.0f);
     }
 }
 
-/* Rows [0, M) with M <= GEMV_MAX_M, W streamed once. */
-static void gemv_rows(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
-                      const float *bias, float *y, int nthreads) {
+/* Rows [0, M) with M <= GEMV_MAX_M, W (value type dt) streamed once. */
+static inline __attribute__((always_inline)) void
+gemv_rows_as(const float *x, int64_t M, int64_t K, const void *w, const int dt, int64_t N,
+             const float *bias, float *y, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (N * K >= (1 << 16))
     for (int64_t n = 0; n < N; n++) {
         switch (M) {   /* constant M per call: the loops over rows unroll */
-            case 1: gemv_row_chain(x, 1, K, w, bias, y, N, n); break;
-            case 2: gemv_row_chain(x, 2, K, w, bias, y, N, n); break;
-            case 3: gemv_row_chain(x, 3, K, w, bias, y, N, n); break;
-            case 4: gemv_row_chain(x, 4, K, w, bias, y, N, n); break;
-            case 5: gemv_row_chain(x, 5, K, w, bias, y, N, n); break;
-            case 6: gemv_row_chain(x, 6, K, w, bias, y, N, n); break;
-            case 7: gemv_row_chain(x, 7, K, w, bias, y, N, n); break;
-            default: gemv_row_chain(x, 8, K, w, bias, y, N, n); break;
+            case 1: gemv_row_chain(x, 1, K, w, dt, bias, y, N, n); break;
+            case 2: gemv_row_chain(x, 2, K, w, dt, bias, y, N, n); break;
+            case 3: gemv_row_chain(x, 3, K, w, dt, bias, y, N, n); break;
+            case 4: gemv_row_chain(x, 4, K, w, dt, bias, y, N, n); break;
+            case 5: gemv_row_chain(x, 5, K, w, dt, bias, y, N, n); break;
+            case 6: gemv_row_chain(x, 6, K, w, dt, bias, y, N, n); break;
+            case 7: gemv_row_chain(x, 7, K, w, dt, bias, y, N, n); break;
+            default: gemv_row_chain(x, 8, K, w, dt, bias, y, N, n); break;
         }
     }
 }
 
+/* gemv_rows_as compiled once per weight type (a constant dt: no per-load branch). */
+static void gemv_rows(const float *x, int64_t M, int64_t K, const void *w, int dt, int64_t N,
+                      const float *bias, float *y, int nthreads) {
+    switch (dt) {
+    case KV_F16: gemv_rows_as(x, M, K, w, KV_F16, N, bias, y, nthreads); break;
+    case KV_BF16: gemv_rows_as(x, M, K, w, KV_BF16, N, bias, y, nthreads); break;
+    default: gemv_rows_as(x, M, K, w, KV_F32, N, bias, y, nthreads);
+    }
+}
+
 /* The same rows GEMV_MAX_M at a time (one pass over W each). */
-static void gemv_row_slices(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
-                            const float *bias, float *y, int nthreads) {
+static void gemv_row_slices(const float *x, int64_t M, int64_t K, const void *w, int dt,
+                            int64_t N, const float *bias, float *y, int nthreads) {
     for (int64_t m0 = 0; m0 < M; m0 += GEMV_MAX_M)
-        gemv_rows(x + m0 * K, M - m0 < GEMV_MAX_M ? M - m0 : GEMV_MAX_M, K, w, N, bias,
+        gemv_rows(x + m0 * K, M - m0 < GEMV_MAX_M ? M - m0 : GEMV_MAX_M, K, w, dt, N, bias,
                   y + m0 * N, nthreads);
 }
 
-void tm_linear_blocked(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
-                       const float *bias, float *y, int nthreads);   /* cpu_gemm.c */
+static void linear_blocked_as(const float *x, int64_t M, int64_t K, const void *w, int dt,
+                              int64_t N, const float *bias, float *y, int nthreads);   /* cpu_gemm.c */
 
 /* Any M: up to GEMV_MAX_M rows stream W once; more are compute-bound and take the
  * register-blocked kernel (cpu_gemm.c), whose outputs have these same bits. */
 void tm_linear_small_m(const float *x, int64_t M, int64_t K, const float *w, int64_t N,
                        const float *bias, float *y, int nthreads) {
-    if (M > GEMV_MAX_M) tm_linear_blocked(x, M, K, w, N, bias, y, nthreads);
-    else gemv_rows(x, M, K, w, N, bias, y, nthreads);
+    if (M > GEMV_MAX_M) linear_blocked_as(x, M, K, w, KV_F32, N, bias, y, nthreads);
+    else gemv_rows(x, M, K, w, KV_F32, N, bias, y, nthreads);
+}
+
+/* x W^T (+ bias) for W of 16-bit values (wdt: KV_F16 / KV_BF16), float32 activations and
+ * sums, any M: the bits of tm_linear_small_m on W widened to float32, reading half the
+ * bytes. */
+void tm_linear_half(const float *x, int64_t M, int64_t K, const void *w, int wdt, int64_t N,
+                    const float *bias, float *y, int nthreads) {
+    if (M > GEMV_MAX_M) linear_blocked_as(x, M, K, w, wdt, N, bias, y, nthreads);
+    else gemv_rows(x, M, K, w, wdt, N, bias, y, nthreads);
 }
 
 /* ---- argmax ------------------------------------------------------------------------------ */

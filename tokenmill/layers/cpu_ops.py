@@ -89,6 +89,31 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     return y
 
 
+# -- 16-bit weights, float32 activations --------------------------------------------------
+HALF_WEIGHT_CODES = {torch.float16: 2, torch.bfloat16: 3}   # KV_F16 / KV_BF16 in cpu_simd.h
+
+
+def linear_half(x: torch.Tensor, weight: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """x [..., K] float32 @ W^T (+ b) for a float16 / bfloat16 W [N, K], any row count: the
+    bits of ``linear(x, weight.float(), bias)`` (the kernels widen W exactly, then run the
+    float32 arithmetic), reading half the weight bytes. None where it does not apply."""
+    if not (available() and _ok(x) and x.is_contiguous() and isinstance(weight, torch.Tensor)
+            and weight.dtype in HALF_WEIGHT_CODES and weight.device.type == "cpu"
+            and weight.is_contiguous() and weight.dim() == 2 and x.shape[-1] == weight.shape[1]):
+        return None
+    m = x.numel() // max(x.shape[-1], 1)
+    if m == 0 or (bias is not None and not (_ok(bias) and bias.is_contiguous())):
+        return None
+    n, k = weight.shape
+    y = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    native.library().tm_linear_half(x.data_ptr(), m, k, weight.data_ptr(),
+                                    HALF_WEIGHT_CODES[weight.dtype], n,
+                                    bias.data_ptr() if bias is not None else None, y.data_ptr(),
+                                    torch.get_num_threads())
+    return y
+
+
 # -- many-row float32 matmul: MKL on slices of the output features -----------------------------
 # On this 2-core AVX2 box MKL's sgemm loses half its speed once a weight has many output
 # rows (measured with /tmp-style sweeps, GFLOPS at 2 threads, whole weight vs 256-row

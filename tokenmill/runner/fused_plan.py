@@ -106,7 +106,8 @@ def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
     exactly as the module would. Its bias (if any) is the layer row's business."""
     from tokenmill.layers.quant import kernels
     from tokenmill.layers.quant.matmul import _KINDS, kernel_applies
-    from tokenmill.layers.quant.methods import PackedLinearMethod, UnquantizedLinearMethod
+    from tokenmill.layers.quant.methods import (HalfWeightMethod, PackedLinearMethod,
+                                                UnquantizedLinearMethod)
     method = lin.quant_method
     if lin.bias is not None and not _vector_ok(lin.bias, lin.out_features):
         return None
@@ -116,6 +117,13 @@ def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
             return None
         float_part = [-1, w.data_ptr(), 0, 0, 0, w.shape[0]]
         return float_part + [0] * (DEC_FIELDS - len(float_part)) + _NO_PART * (DEC_PARTS - 1), w
+    if type(method) is HalfWeightMethod:   # 16-bit weight: kind -3, its value type in field 2
+        w = getattr(lin, "weight", None)
+        if not (isinstance(w, torch.Tensor) and w.dtype in cpu_ops.HALF_WEIGHT_CODES
+                and w.device.type == "cpu" and w.is_contiguous() and method.cpu_kernels):
+            return None
+        half_part = [-3, w.data_ptr(), cpu_ops.HALF_WEIGHT_CODES[w.dtype], 0, 0, w.shape[0]]
+        return half_part + [0] * (DEC_FIELDS - len(half_part)) + _NO_PART * (DEC_PARTS - 1), w
     if not (isinstance(method, PackedLinearMethod) and type(method).apply is PackedLinearMethod.apply
             and method.use_kernel):
         return None

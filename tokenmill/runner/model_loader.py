@@ -12,7 +12,8 @@ from tokenmill.layers.kernel_choice import set_triton_kernels
 from tokenmill.layers.prepacked import prepack_linears
 from tokenmill.layers.quant import (attach_quantization, checkpoint_tensors,
                                     process_weights_after_loading, resolve_quant_spec)
-from tokenmill.layers.quant.embedding import share_packed_head_with_embedding
+from tokenmill.layers.quant.embedding import (share_half_head_with_embedding,
+                                              share_packed_head_with_embedding)
 from tokenmill.layers.quant.methods import set_quant_activations
 from tokenmill.layers.quant.qgemm import tile_packed_linears
 from tokenmill.models.registry import model_class
@@ -57,6 +58,7 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     # before the prepacked / tiled copies are made, so those do not stack on top of them.
     checkpoint.release_pages()
     share_packed_head_with_embedding(model)   # tied: no float copy of a packed head
+    share_half_head_with_embedding(model)     # nor of a 16-bit one
     set_quant_activations(model, quant_activations)
     set_cpu_kernels(model, cpu_kernels and not triton_kernels)
     set_triton_kernels(model, triton_kernels)

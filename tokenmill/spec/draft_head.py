@@ -34,6 +34,10 @@ class DraftHead:
         the whole vocabulary when there is no draft vocabulary)."""
         if self.weight is None:
             return self.target.compute_logits(hidden)
+        if self.weight.dtype in cpu_ops.HALF_WEIGHT_CODES and hidden.dtype is torch.float32:
+            x = hidden.contiguous()   # a 16-bit head of float32 activations (quantization bf16 / fp16)
+            logits = cpu_ops.linear_half(x, self.weight)
+            return F.linear(x, self.weight.to(x.dtype)) if logits is None else logits
         x = hidden.to(self.weight.dtype).contiguous()
         logits = cpu_ops.linear(x, self.weight)   # decode-sized rows: the streaming kernel
         return F.linear(x, self.weight) if logits is None else logits

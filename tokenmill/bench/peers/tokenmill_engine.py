@@ -1,7 +1,8 @@
 """tokenmill itself, as `bench compare` measures it: precision "fp32" (weights dequantized
 to float32), "gguf" (the GGUF's quantized blocks kept packed) or "gguf-q8" (kept packed,
 activations rounded to int8 for integer dot products, as llama.cpp does, on the tiled q8
-GEMM) or "bf16" (float32 weights, many-row matmuls on a bf16 copy). The KV cache dtype is the
+GEMM), "bf16" (float32 weights, many-row matmuls on a bf16 copy) or "bf16w" / "fp16w" (weights
+rounded to 16 bits once, activations and sums float32: quantization "bf16" / "fp16"). The KV cache dtype is the
 spec's ``kv_cache_dtype`` (llama.cpp keeps f16 K/V: ``--kv-cache-dtype fp16`` matches it). Prefix
 caching is off so a repeated run never reuses the previous run's prompts (the other engines
 cannot); the KV pool holds exactly the parallel sequences' need, as llama.cpp's context is
@@ -13,7 +14,8 @@ import time
 BLOCK_SIZE = 16
 # "bf16": float32 weights whose many-row matmuls run on a bf16 oneDNN copy (cpu_gemm_dtype;
 # CPUs with AVX-512 BF16), decode-sized steps in float32
-PRECISIONS = ("fp32", "bf16", "gguf", "gguf-q8")
+PRECISIONS = ("fp32", "bf16", "bf16w", "fp16w", "gguf", "gguf-q8")
+_QUANTIZATION = {"gguf": "gguf", "gguf-q8": "gguf", "bf16w": "bf16", "fp16w": "fp16"}
 
 
 class TokenmillEngine:
@@ -26,7 +28,7 @@ class TokenmillEngine:
         max_len = spec["max_seq_len"]
         blocks_per_seq = -(-max_len // BLOCK_SIZE)
         self.llm = LLM(model=spec["model_path"],
-                       quantization="gguf" if precision.startswith("gguf") else None,
+                       quantization=_QUANTIZATION.get(precision),
                        quant_activations="q8" if precision == "gguf-q8" else "fp32",
                        cpu_gemm_dtype="bfloat16" if precision == "bf16" else "float32",
                        kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),

@@ -12,17 +12,18 @@ from typing import Optional
 
 from torch import nn
 
-from tokenmill.layers.quant.methods import (FP8Method, Int4Method, Int8Method, LinearMethod,
-                                            UnquantizedLinearMethod)
+from tokenmill.layers.quant.methods import (HALF_DTYPES, FP8Method, HalfWeightMethod, Int4Method,
+                                            Int8Method, LinearMethod, UnquantizedLinearMethod)
 
-ONLINE_METHODS = ("int8", "int4", "fp8")
+ONLINE_METHODS = ("int8", "int4", "fp8") + tuple(HALF_DTYPES)
 CHECKPOINT_METHODS = ("gptq", "awq", "fp8-ckpt", "gguf")
 _INT4_RE = re.compile(r"int4(?:-g(\d+))?")
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """method: "none" | "int8" | "int4" | "fp8" (online RTN from float weights) |
+    """method: "none" | "int8" | "int4" | "fp8" (online RTN from float weights) | "bf16" |
+    "fp16" (16-bit weights, float32 activations) |
     "gptq" | "awq" | "fp8-ckpt" (pre-quantized checkpoints) | "gguf" (GGUF quants repacked).
     ``config``: the checkpoint's ``quantization_config`` (or the GGUF tensor types);
     ``skip``: module-name fragments left unquantized."""
@@ -39,17 +40,17 @@ class QuantSpec:
 
 
 def parse_quantization(name: Optional[str]) -> QuantSpec:
-    """A user spelling ("int8", "int4", "int4-g32", "fp8", "none") -> QuantSpec."""
+    """A user spelling ("int8", "int4", "int4-g32", "fp8", "bf16", "fp16", "none") -> QuantSpec."""
     if name in (None, "", "none"):
         return QuantSpec()
     m = _INT4_RE.fullmatch(name)
     if m:
         return QuantSpec("int4", group_size=int(m.group(1) or 64))
-    if name in ("int8", "fp8", "gguf"):
+    if name in ("int8", "fp8", "gguf") + tuple(HALF_DTYPES):
         return QuantSpec(name)
     raise ValueError(f"unknown quantization {name!r}; choose none, int8, int4, int4-g32, "
-                     f"int4-g64, int4-g128, fp8 or gguf (GPTQ / AWQ / FP8 checkpoints are "
-                     f"recognised from their config)")
+                     f"int4-g64, int4-g128, fp8, bf16, fp16 or gguf (GPTQ / AWQ / FP8 checkpoints "
+                     f"are recognised from their config)")
 
 
 def method_for(spec: QuantSpec, module_name: str, layer: nn.Module,
@@ -78,6 +79,8 @@ def method_for(spec: QuantSpec, module_name: str, layer: nn.Module,
         return Int4Method(spec.group_size, use_kernel=spec.use_kernel)
     if spec.method == "fp8":
         return FP8Method(use_kernel=spec.use_kernel)
+    if spec.method in HALF_DTYPES:
+        return HalfWeightMethod(spec.method)
     from tokenmill.layers.quant import checkpoint_methods
     return checkpoint_methods.method_for(spec, module_name, layer, sources or [])
 

@@ -101,6 +101,43 @@ def share_packed_head_with_embedding(model: nn.Module) -> bool:
     return True
 
 
+class HalfEmbedding(nn.Module):
+    """Rows of a tied head's 16-bit weight (quantization "bf16" / "fp16"), widened to float32:
+    the embedding and the head are one matrix, rounded once, held once."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self._head = [head]   # a list: the head stays the model's submodule, not this one's
+        self.num_embeddings, self.embedding_dim = head.weight.shape
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:   # [T] -> [T, hidden] fp32
+        table = self._head[0].weight
+        rows = table.index_select(0, input_ids.reshape(-1)).float()
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+
+def share_half_head_with_embedding(model: nn.Module) -> bool:
+    """After loading: a tied float embedding whose head now holds 16-bit weights reads its
+    rows from the head (HalfEmbedding); True if done. A tensor-parallel rank keeps its
+    vocab-parallel embedding, filled with the rounded values, so its lookups equal one
+    process's."""
+    from tokenmill.layers.quant.methods import HalfWeightMethod
+    inner = getattr(model, "model", None)
+    head = getattr(model, "lm_head", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if not (getattr(model, "args", None) is not None and model.args.tie_word_embeddings
+            and isinstance(embed, nn.Embedding) and head is not None
+            and isinstance(getattr(head, "quant_method", None), HalfWeightMethod)
+            and tuple(head.weight.shape) == tuple(embed.weight.shape)):
+        return False
+    if getattr(embed, "tp", None) is not None and embed.tp.is_parallel:
+        embed.weight.data = head.weight.data.to(embed.weight.dtype)
+        return True
+    _free_table(embed)
+    inner.embed_tokens = HalfEmbedding(head)
+    return True
+
+
 def _free_table(embed: nn.Module) -> None:
     """Release a replaced embedding's float table now: its parameter holds the module's
     bound weight_loader, a reference cycle that only the cycle collector would break."""

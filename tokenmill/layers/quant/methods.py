@@ -95,6 +95,45 @@ class UnquantizedLinearMethod(LinearMethod):
         return cpu_ops.linear_many_rows(x, layer.weight, bias)
 
 
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+FP16_MAX = 65504.0   # largest finite float16
+
+
+class HalfWeightMethod(LinearMethod):
+    """Weights stored in 16 bits (bfloat16 or float16), activations and sums in float32.
+
+    The float32 weights load as usual and are rounded to nearest once after loading. The C
+    kernels widen each 16-bit value exactly and run the float32 kernels' arithmetic
+    (cpu_ops.linear_half): decode-sized steps read half the bytes of float32 weights, and
+    no second (prepacked) copy is kept, so the weights take a quarter of the float32 path's
+    memory. Output bits are those of the float32 model on the rounded weights, at every row
+    count. Never bf16 arithmetic (tens of times slower than float32 on AVX2 CPUs)."""
+
+    cpu_kernels = True   # the half-weight C kernels (cpu_ops.set_cpu_kernels)
+
+    def __init__(self, name: str) -> None:
+        if name not in HALF_DTYPES:
+            raise ValueError(f"16-bit weights are one of {', '.join(HALF_DTYPES)}, got {name!r}")
+        self.name, self.dtype = name, HALF_DTYPES[name]
+
+    def create_weights(self, layer: nn.Module) -> None:
+        UnquantizedLinearMethod().create_weights(layer)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w = layer.weight.data
+        if self.dtype is torch.float16 and w.numel() and w.abs().max().item() > FP16_MAX:
+            raise ValueError(f"a weight of {layer.out_features} x {layer.in_features} holds values "
+                             f"beyond float16's range (+-{FP16_MAX:g}); use quantization='bf16'")
+        layer.weight = nn.Parameter(w.to(self.dtype).contiguous(), requires_grad=False)
+
+    def apply(self, layer, x, bias):
+        if self.cpu_kernels and x.dim() == 2:
+            y = cpu_ops.linear_half(x, layer.weight, bias)
+            if y is not None:
+                return y
+        return F.linear(x, layer.weight.to(x.dtype), bias)
+
+
 class PackedLinearMethod(LinearMethod):
     """Shared execution of packed weights; ``use_kernel=False`` forces the reference path.
     ``activations``: "fp32" / "q8" for this layer's kernel matmuls (set for a whole model
