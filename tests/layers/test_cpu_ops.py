@@ -177,6 +177,32 @@ def _attend(rows, k_cache, v_cache, lens, seqs, tabs, bs, window):
     return out
 
 
+@pytest.mark.skipif(not (native.has_vnni() and native.buildable()), reason="one build only here")
+@pytest.mark.parametrize("hq,hkv,dtype", [(9, 3, torch.float32), (8, 2, torch.float16), (6, 6, torch.bfloat16)])
+def test_paged_attention_both_builds_are_bit_identical(hq, hkv, dtype, both_builds, monkeypatch):
+    """The AVX-512 build shares each K / V load among up to 4 query heads of a KV head and
+    updates 16 output values at a time, the AVX2 build 2 heads and 8 values: the same
+    arithmetic per head and element, so the same bits (many requests, and a lone long one
+    split across the threads)."""
+    g = torch.Generator().manual_seed(hq + hkv)
+    d, bs = 64, 4
+    k_cache = torch.randn(90, bs, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(90, bs, hkv, d, generator=g).to(dtype)
+    perm = torch.randperm(90, generator=g).tolist()
+    for q_lens, seq_lens in (([1, 2, 1, 1, 3, 1, 1, 2], [5, 17, 30, 1, 12, 25, 9, 40]), ([1], [150])):
+        tables, used = [], 0
+        for n in seq_lens:
+            tables.append(perm[used:used + -(-n // bs)])
+            used += len(tables[-1])
+        q = torch.randn(sum(q_lens), hq, d, generator=g)
+        outs = []
+        for lib in both_builds:
+            monkeypatch.setattr(native, "library", lambda lib=lib: lib)
+            outs.append(_attend(q, k_cache, v_cache, q_lens, seq_lens, tables, bs, None))
+        assert not outs[0].isnan().any()
+        assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
 @pytest.mark.parametrize("window", [None, 6])
 def test_paged_attention_batched_equals_each_request_alone(window):
     """Many requests run one task per request over all heads (sequential cache reads); a

@@ -33,20 +33,74 @@ static inline __m128 dot4_scaled(const float *q, const void *const rows[4], int6
     return _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale));
 }
 
-/* o += w[0] rows[0][off:] + .. + w[3] rows[3][off:] over D values (D % 8 == 0), one
- * multiply-add at a time in row order: the same sums as four single-row updates, with o
- * loaded and stored once instead of four times. */
-static inline void add4_scaled(float *o, const float w[4], const void *const rows[4],
-                               int64_t off, int64_t D, int dt) {
-    const __m256 w0 = _mm256_set1_ps(w[0]), w1 = _mm256_set1_ps(w[1]);
-    const __m256 w2 = _mm256_set1_ps(w[2]), w3 = _mm256_set1_ps(w[3]);
+/* Query heads that share each K / V chunk load in attend_heads: their accumulators, the four
+ * key rows and a q chunk stay in registers (AVX-512VL has 32 vector registers, AVX2 16). */
+#ifdef __AVX512F__
+#define ATT_HB 4
+#else
+#define ATT_HB 2
+#endif
+
+/* dot4_scaled for hb heads at once (q rows D apart, one KV head at `off` in each key row):
+ * each key chunk is loaded once for all of them, and each head's sums are dot4_scaled's. */
+static inline __attribute__((always_inline)) void
+dot4_heads(const float *q, int64_t D, const int hb, const void *const rows[4], int64_t off,
+           float scale, int dt, __m128 *out) {
+    __m256 acc[ATT_HB][4];
+    for (int h = 0; h < hb; h++)
+        for (int r = 0; r < 4; r++) acc[h][r] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8) {
-        __m256 acc = _mm256_loadu_ps(o + d);
-        acc = _mm256_fmadd_ps(w0, kv_load8(rows[0], off + d, dt), acc);
-        acc = _mm256_fmadd_ps(w1, kv_load8(rows[1], off + d, dt), acc);
-        acc = _mm256_fmadd_ps(w2, kv_load8(rows[2], off + d, dt), acc);
-        acc = _mm256_fmadd_ps(w3, kv_load8(rows[3], off + d, dt), acc);
-        _mm256_storeu_ps(o + d, acc);
+        const __m256 k0 = kv_load8(rows[0], off + d, dt), k1 = kv_load8(rows[1], off + d, dt);
+        const __m256 k2 = kv_load8(rows[2], off + d, dt), k3 = kv_load8(rows[3], off + d, dt);
+        for (int h = 0; h < hb; h++) {
+            const __m256 x = _mm256_loadu_ps(q + h * D + d);
+            acc[h][0] = _mm256_fmadd_ps(x, k0, acc[h][0]);
+            acc[h][1] = _mm256_fmadd_ps(x, k1, acc[h][1]);
+            acc[h][2] = _mm256_fmadd_ps(x, k2, acc[h][2]);
+            acc[h][3] = _mm256_fmadd_ps(x, k3, acc[h][3]);
+        }
+    }
+    for (int h = 0; h < hb; h++)
+        out[h] = _mm_mul_ps(hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), _mm_set1_ps(scale));
+}
+
+#ifdef __AVX512F__
+/* 16 values of a cache row from element i, widened to float32 (kv_load8's, twice). */
+static inline __m512 kv_load16(const void *row, int64_t i, int dt) {
+    if (dt == KV_F32) return _mm512_loadu_ps((const float *)row + i);
+    const __m256d lo = _mm256_castps_pd(kv_load8(row, i, dt)), hi = _mm256_castps_pd(kv_load8(row, i + 8, dt));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(lo), hi, 1));
+}
+#endif
+
+/* o_h += w[h][0] rows[0][off:] + .. + w[h][3] rows[3][off:] over D values (D % 8 == 0) for
+ * hb heads (o rows D apart), one multiply-add at a time in row order: the same sums as four
+ * single-row updates, each value chunk loaded once for all heads and o loaded and stored
+ * once per four keys (elementwise, so the AVX-512 build's 16-wide chunks give the same
+ * bits). */
+static inline __attribute__((always_inline)) void
+add4_heads(float *o, int64_t D, const int hb, const float w[][4], const void *const rows[4],
+           int64_t off, int dt) {
+    int64_t d = 0;
+#ifdef __AVX512F__
+    for (; d + 16 <= D; d += 16) {
+        __m512 v[4];
+        for (int r = 0; r < 4; r++) v[r] = kv_load16(rows[r], off + d, dt);
+        for (int h = 0; h < hb; h++) {
+            __m512 acc = _mm512_loadu_ps(o + h * D + d);
+            for (int r = 0; r < 4; r++) acc = _mm512_fmadd_ps(_mm512_set1_ps(w[h][r]), v[r], acc);
+            _mm512_storeu_ps(o + h * D + d, acc);
+        }
+    }
+#endif
+    for (; d < D; d += 8) {
+        __m256 v[4];
+        for (int r = 0; r < 4; r++) v[r] = kv_load8(rows[r], off + d, dt);
+        for (int h = 0; h < hb; h++) {
+            __m256 acc = _mm256_loadu_ps(o + h * D + d);
+            for (int r = 0; r < 4; r++) acc = _mm256_fmadd_ps(_mm256_set1_ps(w[h][r]), v[r], acc);
+            _mm256_storeu_ps(o + h * D + d, acc);
+        }
     }
 }
 
@@ -247,14 +301,27 @@ static inline __attribute__((always_inline)) void attend_heads_as(
             rows[r] = walk_next(&keys, k_cache, table, bs, row_len, dt);
             slots[r] = ((const char *)rows[r] - (const char *)k_cache) / (row_len * kv_elem_bytes(dt));
         }
-        for (int64_t h = 0; h < Hq; h++) {
-            __m128 s4 = dot4_scaled(qv + h * D, rows, (h / group) * D, D, scale, dt);
-            if (dt == KV_I8) {
-                const int64_t kvh = h / group;
-                s4 = _mm_mul_ps(s4, _mm_set_ps(k_scale[slots[3] * Hkv + kvh], k_scale[slots[2] * Hkv + kvh],
-                                               k_scale[slots[1] * Hkv + kvh], k_scale[slots[0] * Hkv + kvh]));
+        for (int64_t h0 = 0, h1; h0 < Hq; h0 = h1) {   /* heads of one KV head, ATT_HB at a time */
+            const int64_t kvh = h0 / group;
+            h1 = h0 + ATT_HB < (kvh + 1) * group ? h0 + ATT_HB : (kvh + 1) * group;
+            __m128 s4[ATT_HB];
+            switch (h1 - h0) {   /* a constant head count: the accumulators stay in registers */
+#define ATT_DOT4_HEADS(HB) dot4_heads(qv + h0 * D, D, HB, rows, kvh * D, scale, dt, s4); break;
+            case 1: ATT_DOT4_HEADS(1)
+#if ATT_HB > 2
+            case 3: ATT_DOT4_HEADS(3)
+            case 4: ATT_DOT4_HEADS(4)
+#endif
+            default: ATT_DOT4_HEADS(2)
+#undef ATT_DOT4_HEADS
             }
-            _mm_storeu_ps(scores + h * n + j, s4);
+            for (int64_t h = h0; h < h1; h++) {
+                if (dt == KV_I8)
+                    s4[h - h0] = _mm_mul_ps(s4[h - h0], _mm_set_ps(
+                        k_scale[slots[3] * Hkv + kvh], k_scale[slots[2] * Hkv + kvh],
+                        k_scale[slots[1] * Hkv + kvh], k_scale[slots[0] * Hkv + kvh]));
+                _mm_storeu_ps(scores + h * n + j, s4[h - h0]);
+            }
         }
     }
     for (; j < n; j++) {
@@ -268,7 +335,7 @@ static inline __attribute__((always_inline)) void attend_heads_as(
     softmax_rows(scores, Hq, n, stats, stats + Hq);
     memset(o, 0, sizeof(float) * (size_t)(Hq * D));
     slot_walk values = walk_from(first, n, bs);
-    /* four keys at a time (add4_scaled), then the rest one by one */
+    /* four keys at a time (add4_heads), then the rest one by one */
     for (j = 0; j + 4 <= n; j += 4) {
         const void *rows[4];
         int64_t slots[4];
@@ -276,14 +343,25 @@ static inline __attribute__((always_inline)) void attend_heads_as(
             rows[r] = walk_next(&values, v_cache, table, bs, row_len, dt);
             slots[r] = dt == KV_I8 ? ((const char *)rows[r] - (const char *)v_cache) / row_len : 0;
         }
-        for (int64_t h = 0; h < Hq; h++) {
-            const int64_t off = (h / group) * D;
-            float w[4];
-            for (int r = 0; r < 4; r++) {
-                const float p = scores[h * n + j + r];
-                w[r] = dt == KV_I8 ? p * v_scale[slots[r] * Hkv + h / group] : p;
+        for (int64_t h0 = 0, h1; h0 < Hq; h0 = h1) {
+            const int64_t kvh = h0 / group;
+            h1 = h0 + ATT_HB < (kvh + 1) * group ? h0 + ATT_HB : (kvh + 1) * group;
+            float w[ATT_HB][4];
+            for (int64_t h = h0; h < h1; h++)
+                for (int r = 0; r < 4; r++) {
+                    const float p = scores[h * n + j + r];
+                    w[h - h0][r] = dt == KV_I8 ? p * v_scale[slots[r] * Hkv + kvh] : p;
+                }
+            switch (h1 - h0) {
+#define ATT_ADD4_HEADS(HB) add4_heads(o + h0 * D, D, HB, w, rows, kvh * D, dt); break;
+            case 1: ATT_ADD4_HEADS(1)
+#if ATT_HB > 2
+            case 3: ATT_ADD4_HEADS(3)
+            case 4: ATT_ADD4_HEADS(4)
+#endif
+            default: ATT_ADD4_HEADS(2)
+#undef ATT_ADD4_HEADS
             }
-            add4_scaled(o + h * D, w, rows, off, D, dt);
         }
     }
     for (; j < n; j++) {
