@@ -32,11 +32,12 @@ def _run(model_dir, kv_cache_dtype):
     return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
 
 
-@pytest.mark.parametrize("kv_cache_dtype, tol, min_same", [("fp16", 5e-3, 12), ("bf16", 5e-2, 6)])
+@pytest.mark.parametrize("kv_cache_dtype, tol, min_same", [("fp16", 1e-2, 12), ("bf16", 5e-2, 6)])
 def test_close_to_a_float32_cache(tiny_llama_dir, fp32_outputs, kv_cache_dtype, tol, min_same):
     """Greedy tokens agree for at least ``min_same`` tokens (this tiny random model has near
     ties that bf16's 8 bits can flip), and while the histories agree the chosen tokens'
-    logprobs stay within ``tol``."""
+    logprobs stay within ``tol`` (prefill reads the rounded cache too, as decode does: a
+    prompt's rows then do not depend on how it was chunked or cached; fp16 measured 5.2e-3)."""
     for got, want in zip(_run(tiny_llama_dir, kv_cache_dtype), fp32_outputs):
         ours, theirs = got.outputs[0].token_ids, want.outputs[0].token_ids
         same = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(theirs))

@@ -3,6 +3,7 @@
 #include "cpu_ops.c"
 #include "cpu_gemm.c"
 #include "cpu_attention.c"
+#include "cpu_prefill.c"
 #include "quant/qmm.c"
 #include "cpu_decode_linear.c"
 #include "cpu_decode.c"

@@ -252,16 +252,40 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     query rows q_start[b] + i sit at position seq_len[b] - q_len[b] + i and attend causally
     (and within the window) to the cache through block_tables [B, W] int64. Writes those
     rows of out [T, Hq, D]; False when not applicable (nothing written)."""
+    ran = _attention_kernel("tm_paged_attention", query, k_cache, v_cache, block_tables, q_start,
+                            q_len, seq_len, scale, sliding_window, out)
+    if ran is False:
+        raise MemoryError("paged attention kernel could not allocate its score buffer")
+    return bool(ran)
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
+                      seq_len: torch.Tensor, scale: float, sliding_window: Optional[int],
+                      out: torch.Tensor) -> bool:
+    """paged_attention for prefill chunks (any number of query rows per request; float32 /
+    float16 / bfloat16 caches holding every key the rows see): each row's bits depend on
+    the row alone (cpu_prefill.c), so a prompt prefilled after a prefix-cache hit, or in
+    chunks, equals the same prompt prefilled cold at once. False when not applicable (an
+    int8 cache, a head size or GQA group the kernel does not take): nothing written."""
+    return bool(_attention_kernel("tm_prefill_attention", query, k_cache, v_cache, block_tables,
+                                  q_start, q_len, seq_len, scale, sliding_window, out))
+
+
+def _attention_kernel(name: str, query, k_cache, v_cache, block_tables, q_start, q_len, seq_len,
+                      scale: float, sliding_window: Optional[int], out):
+    """None where the kernels do not take these tensors, else whether the C call ran (the
+    two kernels share their arguments)."""
     k_data, k_scale, k_code = _cache_parts(k_cache)
     v_data, v_scale, v_code = _cache_parts(v_cache)
     if not (available() and k_data is not None and k_code == v_code and _ok(query, out)
             and query.stride(2) == 1 and query.stride(1) == query.shape[2] and out.is_contiguous()
             and block_tables.dtype == torch.int64 and block_tables.is_contiguous()
             and block_tables.device.type == "cpu"):
-        return False
+        return None
     _, hq, d = query.shape
     _, bs, hkv, _ = k_cache.shape
-    failed = native.library().tm_paged_attention(
+    failed = getattr(native.library(), name)(
         query.data_ptr(), query.stride(0), hq, d, k_data.data_ptr(), v_data.data_ptr(),
         k_scale.data_ptr() if k_scale is not None else None,
         v_scale.data_ptr() if v_scale is not None else None, k_code, bs, hkv,
@@ -269,6 +293,4 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q_len.data_ptr(), seq_len.data_ptr(), scale,
         sliding_window if sliding_window is not None else 0, out.data_ptr(),
         torch.get_num_threads())
-    if failed:
-        raise MemoryError("paged attention kernel could not allocate its score buffer")
-    return True
+    return not failed

@@ -7,6 +7,9 @@ Two paths, chosen per request from the Python query lengths:
   into SDPA's query-length axis, so K/V are read once per KV head.
 - long runs (prefill chunks) go one request at a time through SDPA; a chunk starting at
   position 0 attends to its fresh K/V directly, without reading the cache back.
+Where the C kernels run, both take them instead (cpu_ops.paged_attention for the short runs,
+cpu_ops.prefill_attention for the chunks: each row's bits fixed by the row alone, so a
+prompt prefilled after a prefix-cache hit equals the same prompt prefilled cold).
 Compute is fp32 (bf16 matmul on CPU is far slower); the output has the query's dtype.
 """
 
@@ -50,13 +53,15 @@ class CpuAttention(AttentionBackend):
         check_gqa(query.shape[1], k_cache.shape[2])
         out = torch.empty_like(query)
         short = [b for b, q in enumerate(meta.query_lens) if q <= MAX_BATCHED_QUERY_LEN]
-        if short and not (self.cpu_kernels and _fused_short(query, k_cache, v_cache, meta, short,
-                                                            scale, sliding_window, out)):
+        if short and not (self.cpu_kernels and _fused(cpu_ops.paged_attention, query, k_cache,
+                                                      v_cache, meta, short, scale, sliding_window, out)):
             _batched_short(query, k_cache, v_cache, meta, short, scale, sliding_window, out)
-        starts = _starts(meta.query_lens)
-        for b, q_len in enumerate(meta.query_lens):
-            if q_len > MAX_BATCHED_QUERY_LEN:
-                s, e = starts[b], starts[b] + q_len
+        long = [b for b, q in enumerate(meta.query_lens) if q > MAX_BATCHED_QUERY_LEN]
+        if long and not (self.cpu_kernels and _fused(cpu_ops.prefill_attention, query, k_cache,
+                                                     v_cache, meta, long, scale, sliding_window, out)):
+            starts = _starts(meta.query_lens)
+            for b in long:
+                s, e = starts[b], starts[b] + meta.query_lens[b]
                 out[s:e] = _prefill_one(
                     query[s:e], key[s:e], value[s:e], k_cache, v_cache,
                     meta.block_tables[b], meta.seq_lens_list[b], scale, sliding_window,
@@ -106,13 +111,14 @@ def _batched_short(
         out[tok[valid]] = o[valid].to(out.dtype)
 
 
-def _fused_short(query, k_cache, v_cache, meta: AttentionMetadata, reqs: list[int], scale: float,
-                 sliding_window: Optional[int], out: torch.Tensor) -> bool:
-    """The short runs through the fused C kernel (float32 CPU caches): no gather, no padding,
-    one call per layer. False when it does not apply; the PyTorch path below then runs."""
+def _fused(kernel, query, k_cache, v_cache, meta: AttentionMetadata, reqs: list[int], scale: float,
+           sliding_window: Optional[int], out: torch.Tensor) -> bool:
+    """The requests ``reqs`` through one C kernel call (cpu_ops.paged_attention for short
+    runs, cpu_ops.prefill_attention for prefill chunks): no gather, no padding, one call per
+    layer. False when it does not apply; the PyTorch path then runs."""
     if not cpu_ops.available():
         return False
-    key = ("fused_short", tuple(reqs))
+    key = ("fused", kernel.__name__, tuple(reqs))
     plan = meta.plan_cache.get(key)
     if plan is None:
         starts = _starts(meta.query_lens)
@@ -123,8 +129,7 @@ def _fused_short(query, k_cache, v_cache, meta: AttentionMetadata, reqs: list[in
             torch.tensor([meta.query_lens[b] for b in reqs], dtype=torch.int64),
             torch.tensor([meta.seq_lens_list[b] for b in reqs], dtype=torch.int64))
     tables, q_start, q_len, seq_len = plan
-    return cpu_ops.paged_attention(query, k_cache, v_cache, tables, q_start, q_len, seq_len,
-                                   scale, sliding_window, out)
+    return kernel(query, k_cache, v_cache, tables, q_start, q_len, seq_len, scale, sliding_window, out)
 
 
 def _short_plan(meta: AttentionMetadata, reqs: list[int], sliding_window: Optional[int],
