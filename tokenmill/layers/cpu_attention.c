@@ -64,15 +64,6 @@ dot4_heads(const float *q, int64_t D, const int hb, const void *const rows[4], i
         out[h] = _mm_mul_ps(hsum4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]), _mm_set1_ps(scale));
 }
 
-#ifdef __AVX512F__
-/* 16 values of a cache row from element i, widened to float32 (kv_load8's, twice). */
-static inline __m512 kv_load16(const void *row, int64_t i, int dt) {
-    if (dt == KV_F32) return _mm512_loadu_ps((const float *)row + i);
-    const __m256d lo = _mm256_castps_pd(kv_load8(row, i, dt)), hi = _mm256_castps_pd(kv_load8(row, i + 8, dt));
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(lo), hi, 1));
-}
-#endif
-
 /* o_h += w[h][0] rows[0][off:] + .. + w[h][3] rows[3][off:] over D values (D % 8 == 0) for
  * hb heads (o rows D apart), one multiply-add at a time in row order: the same sums as four
  * single-row updates, each value chunk loaded once for all heads and o loaded and stored

@@ -32,11 +32,7 @@ gemm_widen_rows_as(const void *w, const int dt, int64_t nr, int64_t K, float *ds
     const int64_t n = nr * K;
     int64_t i = 0;
 #ifdef __AVX512F__
-    for (; i + 16 <= n; i += 16) {
-        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
-        _mm512_storeu_ps(dst + i, dt == KV_F16 ? _mm512_cvtph_ps(h)
-                         : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-    }
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, kv_load16(w, i, dt));
 #endif
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, kv_load8(w, i, dt));
     for (; i < n; i++) dst[i] = kv_load1(w, i, dt);

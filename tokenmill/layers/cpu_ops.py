@@ -36,6 +36,10 @@ def set_cpu_kernels(model: torch.nn.Module, enabled: bool) -> None:
 
 
 _F32 = torch.float32
+# The kernels' value types (KV_F32 .. in cpu_simd.h) by dtype: KV caches take all four,
+# 16-bit weights (linear_half) the two half types.
+KV_DTYPE_CODES = {torch.float32: 0, torch.int8: 1, torch.float16: 2, torch.bfloat16: 3}
+HALF_WEIGHT_CODES = {dt: KV_DTYPE_CODES[dt] for dt in (torch.float16, torch.bfloat16)}
 
 
 def _ok(*tensors: torch.Tensor) -> bool:
@@ -90,7 +94,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
 
 
 # -- 16-bit weights, float32 activations --------------------------------------------------
-HALF_WEIGHT_CODES = {torch.float16: 2, torch.bfloat16: 3}   # KV_F16 / KV_BF16 in cpu_simd.h
 
 
 def linear_half(x: torch.Tensor, weight: torch.Tensor,
@@ -223,8 +226,6 @@ def gelu_tanh_mul_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 # -- paged attention of short query runs --------------------------------------------------
-# The kernels' KV value types (KV_F32 .. in cpu_simd.h) by cache dtype.
-KV_DTYPE_CODES = {torch.float32: 0, torch.int8: 1, torch.float16: 2, torch.bfloat16: 3}
 _FLOAT_KV = (torch.float32, torch.float16, torch.bfloat16)
 
 

@@ -33,24 +33,12 @@ typedef __m512 pf_vec;
 #define pf_mul _mm512_mul_ps
 #define pf_max _mm512_max_ps
 #define pf_add _mm512_add_ps
-/* exp256's operations on 16 lanes: the same value in every lane */
-static inline pf_vec pf_exp(pf_vec x) {
-    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365478515625f);
-    const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps((__mmask16)~underflow, p, _mm512_castsi512_ps(e));
+#define pf_sub _mm512_sub_ps
+static inline pf_vec pf_exp(pf_vec x) {   /* exp256 on each half: the same value in every lane */
+    const __m256 lo = exp256(_mm512_castps512_ps256(x));
+    const __m256 hi = exp256(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+                                               _mm256_castps_pd(hi), 1));
 }
 static inline pf_vec pf_load_kv(const void *row, int64_t i, int dt) { return kv_load16(row, i, dt); }
 #else
@@ -64,6 +52,7 @@ typedef __m256 pf_vec;
 #define pf_mul _mm256_mul_ps
 #define pf_max _mm256_max_ps
 #define pf_add _mm256_add_ps
+#define pf_sub _mm256_sub_ps
 static inline pf_vec pf_exp(pf_vec x) { return exp256(x); }
 static inline pf_vec pf_load_kv(const void *row, int64_t i, int dt) { return kv_load8(row, i, dt); }
 #endif
@@ -77,7 +66,7 @@ static inline const void *pf_row(const att_kv *c, const void *cache, const int64
 /* Per-task buffers (floats): qt [D][Pv], s [PF_KB + 3][Pv] (scores come four keys at a
  * time: up to 3 rows past the block), m, l, alpha [Pv], o [P][D], where Pv is P rounded up
  * to whole vectors. */
-typedef struct { float *qt, *s, *m, *l, *alpha, *o; int64_t P, Pv; } pf_state;
+typedef struct { float *qt, *s, *m, *l, *alpha, *o; int64_t Pv; } pf_state;
 
 static inline int64_t pf_pairs_max(const att_kv *c) {
     const int64_t P = PF_ROWS * (c->Hq / c->Hkv);
@@ -199,19 +188,14 @@ static void pf_block_softmax(pf_state *st, int64_t b0, int64_t j0, int64_t j1, c
         /* subtract 0 where nothing has been seen yet: exp(-inf - 0) = 0, never NaN */
 #ifdef __AVX512F__
         const pf_vec m_sub = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m_new, ninf, _CMP_EQ_OQ), m_new, zero);
-        const pf_vec alpha = pf_exp(_mm512_sub_ps(m, m_sub));
 #else
         const pf_vec m_sub = _mm256_blendv_ps(m_new, zero, _mm256_cmp_ps(m_new, ninf, _CMP_EQ_OQ));
-        const pf_vec alpha = pf_exp(_mm256_sub_ps(m, m_sub));
 #endif
+        const pf_vec alpha = pf_exp(pf_sub(m, m_sub));
         pf_vec l = pf_mul(pf_load(st->l + v), alpha);
         for (int64_t j = 0; j < PF_KB; j++) {
             float *sj = st->s + j * st->Pv + v;
-#ifdef __AVX512F__
-            const pf_vec p = pf_exp(_mm512_sub_ps(pf_load(sj), m_sub));
-#else
-            const pf_vec p = pf_exp(_mm256_sub_ps(pf_load(sj), m_sub));
-#endif
+            const pf_vec p = pf_exp(pf_sub(pf_load(sj), m_sub));
             pf_store(sj, p);
             l = pf_add(l, p);
         }
@@ -228,7 +212,6 @@ static void pf_task(const att_kv *c, const float *q, int64_t q_stride, int64_t r
                     float *buf) {
     const int64_t G = c->Hq / c->Hkv, D = c->D, P = nr * G;   /* pairs (row, head), head fastest */
     pf_state st;
-    st.P = P;
     st.Pv = (P + PF_W - 1) / PF_W * PF_W;
     st.qt = buf;
     st.s = st.qt + D * st.Pv;

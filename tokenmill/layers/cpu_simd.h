@@ -75,6 +75,18 @@ static inline __m256 kv_load8(const void *row, int64_t i, int dt) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+#ifdef __AVX512F__
+/* 16 values of a cache (or weight) row from element i, widened as kv_load8 widens them. */
+static inline __m512 kv_load16(const void *row, int64_t i, int dt) {
+    if (dt == KV_F32) return _mm512_loadu_ps((const float *)row + i);
+    if (dt == KV_I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)row + i))));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i));
+    if (dt == KV_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 static inline float kv_load1(const void *row, int64_t i, int dt) {
     if (dt == KV_F32) return ((const float *)row)[i];
     if (dt == KV_I8) return (float)((const int8_t *)row)[i];

@@ -115,15 +115,13 @@ def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
         w = getattr(lin, "weight", None)
         if not (is_fp32_cpu(w) and w.is_contiguous()):
             return None
-        float_part = [-1, w.data_ptr(), 0, 0, 0, w.shape[0]]
-        return float_part + [0] * (DEC_FIELDS - len(float_part)) + _NO_PART * (DEC_PARTS - 1), w
+        return _one_part([-1, w.data_ptr(), 0, 0, 0, w.shape[0]]), w
     if type(method) is HalfWeightMethod:   # 16-bit weight: kind -3, its value type in field 2
         w = getattr(lin, "weight", None)
         if not (isinstance(w, torch.Tensor) and w.dtype in cpu_ops.HALF_WEIGHT_CODES
                 and w.device.type == "cpu" and w.is_contiguous() and method.cpu_kernels):
             return None
-        half_part = [-3, w.data_ptr(), cpu_ops.HALF_WEIGHT_CODES[w.dtype], 0, 0, w.shape[0]]
-        return half_part + [0] * (DEC_FIELDS - len(half_part)) + _NO_PART * (DEC_PARTS - 1), w
+        return _one_part([-3, w.data_ptr(), cpu_ops.HALF_WEIGHT_CODES[w.dtype], 0, 0, w.shape[0]]), w
     if not (isinstance(method, PackedLinearMethod) and type(method).apply is PackedLinearMethod.apply
             and method.use_kernel):
         return None
@@ -140,6 +138,11 @@ def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
                  p.mins.data_ptr() if p.mins is not None else 0, p.group_size, p.out_features,
                  p.perm.data_ptr() if p.perm is not None else 0] + _tiled_fields(p)
     return desc + _NO_PART * (DEC_PARTS - len(parts)), parts
+
+
+def _one_part(fields: list[int]) -> list[int]:
+    """A descriptor of one part (its first fields, the rest zero) and no others."""
+    return fields + [0] * (DEC_FIELDS - len(fields)) + _NO_PART * (DEC_PARTS - 1)
 
 
 def _tiled_fields(p) -> list[int]:
