@@ -166,6 +166,31 @@ def test_paged_attention_matches_reference(window, d, requests, kv_dtype):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("seq_len", [40, 301, 1030])   # rows of < 64, >= 64 and >> 64 keys per thread
+def test_paged_attention_finds_the_top_score_anywhere(seq_len, kv_dtype):
+    """One key scores thousands above the rest, at positions covering every lane and loop of
+    the row-maximum search: the output must be that key's value row exactly, where a missed
+    maximum gives exp overflow (inf / NaN) and small scores would hide it in the
+    normalization."""
+    g = torch.Generator().manual_seed(seq_len)
+    hq, hkv, d, bs = 9, 3, 64, 16
+    nblocks = -(-seq_len // bs) + 4
+    k_cache = torch.randn(nblocks, bs, hkv, d, generator=g).to(kv_dtype)
+    v_cache = torch.randn(nblocks, bs, hkv, d, generator=g).to(kv_dtype)
+    table = shuffled_block_tables([seq_len], bs, nblocks, g)[0]
+    q = 1000.0 * torch.randn(1, hq, d, generator=g)
+    top = (q[0].reshape(hkv, hq // hkv, d).sum(1) / 1000.0).to(kv_dtype)   # scores ~8000 vs ~3000
+    for pos in sorted({*range(0, seq_len, 7), seq_len // 2 - 1, seq_len // 2, seq_len - 1}):
+        slot = (table[pos // bs], pos % bs)
+        kept = k_cache[slot].clone()
+        k_cache[slot] = top
+        got = _attend(q, k_cache, v_cache, [1], [seq_len], [table], bs, None)
+        k_cache[slot] = kept
+        want = v_cache[slot].float().repeat_interleave(hq // hkv, dim=0)[None]
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=f"top key at {pos}")
+
+
 def _attend(rows, k_cache, v_cache, lens, seqs, tabs, bs, window):
     """cpu_ops.paged_attention of query rows [T, Hq, D] for requests (q lens, seq lens,
     block tables); every row must be written."""

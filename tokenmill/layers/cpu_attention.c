@@ -172,13 +172,44 @@ static void weighted_values_kv(const float *p, int64_t G, int64_t D, const void 
     }
 }
 
+/* The largest of s[0..n), NaNs skipped (-inf for none), as the scalar loop
+ * `if (s[j] > m) m = s[j]` finds it; in vectors with independent running maxima, since a
+ * one-at-a-time max waits on the previous compare (a long row's scores are thousands). A
+ * max is exact, so the lanes' order changes nothing but which of +0 / -0 wins a tie, and
+ * s - m and exp(s - m) are the same for both. */
+static inline float max_of(const float *s, int64_t n) {
+    int64_t j = 0;
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+#ifdef __AVX512F__
+    if (n >= 64) {   /* four running maxima of 16 (x first: max_ps returns acc for a NaN x) */
+        __m512 a[4];
+        for (int i = 0; i < 4; i++) a[i] = _mm512_set1_ps(-INFINITY);
+        for (; j + 64 <= n; j += 64)
+            for (int i = 0; i < 4; i++) a[i] = _mm512_max_ps(_mm512_loadu_ps(s + j + 16 * i), a[i]);
+        const __m512 m16 = _mm512_max_ps(_mm512_max_ps(a[0], a[1]), _mm512_max_ps(a[2], a[3]));
+        m8 = _mm256_max_ps(_mm512_castps512_ps256(m16),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m16), 1)));
+    }
+#endif
+    __m256 b = _mm256_set1_ps(-INFINITY);
+    for (; j + 16 <= n; j += 16) {
+        m8 = _mm256_max_ps(_mm256_loadu_ps(s + j), m8);
+        b = _mm256_max_ps(_mm256_loadu_ps(s + j + 8), b);
+    }
+    for (; j + 8 <= n; j += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(s + j), m8);
+    float lanes[8], m = -INFINITY;
+    _mm256_storeu_ps(lanes, _mm256_max_ps(m8, b));
+    for (int i = 0; i < 8; i++) if (lanes[i] > m) m = lanes[i];
+    for (; j < n; j++) if (s[j] > m) m = s[j];
+    return m;
+}
+
 /* Softmax numerators of each of G score rows of length n in place: exp(s - max); writes
  * each row's max and sum of numerators. */
 static void softmax_rows(float *scores, int64_t G, int64_t n, float *row_max, float *row_sum) {
     for (int64_t g = 0; g < G; g++) {
         float *s = scores + g * n;
-        float m = -INFINITY;
-        for (int64_t j = 0; j < n; j++) if (s[j] > m) m = s[j];
+        const float m = max_of(s, n);
         const __m256 vm = _mm256_set1_ps(m);
         __m256 vsum = _mm256_setzero_ps();
         int64_t j = 0;
