@@ -143,7 +143,7 @@ def test_packed_path_yields_each_expert_packed(q8):
     experts = sorted(n for n in saved if _moe_only(n))
     assert set(types) == set(saved) and {types[n] for n in experts} == {"Q8_0"}
     plan = {n: ([n[:-len(".weight")]], False) for n in experts}
-    got = dict(gguf_quant.iter_tensors(ckpt, plan))
+    got = {name: materialize(t) for name, t in gguf_quant.iter_tensors(ckpt, plan)}
     assert set(got) == {f"{n[:-7]}.{k}" for n in experts for k in ("qweight", "scales")} | (set(saved) - set(experts))
     lazy = dict(gguf_quant.iter_tensors(ckpt, plan, lazy=True))
     assert set(lazy) == set(got)

@@ -5,12 +5,32 @@ piece before anything is read, so no rank materialises a whole weight it splits.
 blocks); ``narrow`` only records the range, and ``materialize`` reads that range (floats
 widened to float32, as eager loading does). Plain tensors pass through ``materialize``
 unchanged, so loaders accept either.
+
+``Owned`` marks the other kind of hand-over: a fresh tensor its reader holds nowhere else.
+A loader that says so (``accepts_owned``) may keep it as the parameter's storage instead of
+copying it in, so a large weight is never in memory twice while it loads.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+
+@dataclass(frozen=True)
+class Owned:
+    tensor: torch.Tensor
+
+
+def adoptable(param: torch.Tensor, loaded: torch.Tensor) -> bool:
+    """Whether ``loaded`` can become ``param``'s storage as it is: same dtype, shape and
+    device, and the whole of its own storage (not a slice a rank narrowed out of a bigger
+    tensor, which would keep all of it alive)."""
+    return (loaded.dtype == param.dtype and loaded.shape == param.shape
+            and loaded.device == param.device and loaded.is_contiguous()
+            and loaded.storage_offset() == 0
+            and loaded.untyped_storage().nbytes() == loaded.numel() * loaded.element_size())
 
 
 def safetensors_reader(handle) -> Callable:
@@ -52,4 +72,6 @@ class LazyTensor:
 
 
 def materialize(t) -> torch.Tensor:
+    if isinstance(t, Owned):
+        return t.tensor
     return t.materialize() if isinstance(t, LazyTensor) else t

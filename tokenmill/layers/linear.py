@@ -28,7 +28,7 @@ from torch import nn
 
 from tokenmill.distributed.parallel_state import SINGLE, TPGroup, split_evenly
 from tokenmill.layers.quant.methods import LinearMethod, UnquantizedLinearMethod
-from tokenmill.layers.lazy import materialize
+from tokenmill.layers.lazy import adoptable, materialize
 
 
 def _check_shape(name: str, expected: torch.Size, got: torch.Size) -> None:
@@ -85,14 +85,18 @@ class Linear(nn.Module):
         method.create_weights(self)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
-                      shard_id: Optional[str] = None, name: str = "") -> None:
+                      shard_id: Optional[str] = None, name: str = "", owned: bool = False) -> None:
         """Copy a checkpoint tensor (or one fused shard of it) into ``param``: this rank's
-        piece of it when the layer is split."""
+        piece of it when the layer is split. A whole tensor the reader hands over
+        (``owned``) becomes the parameter's storage instead."""
         loaded = self.rank_piece(param, loaded, shard_id, name)
         dim = getattr(param, "output_dim", 0)
         if shard_id is None or dim is None:
             _check_shape(name, param.shape, loaded.shape)
-            param.data.copy_(loaded)
+            if owned and adoptable(param.data, loaded):
+                param.data = loaded
+            else:
+                param.data.copy_(loaded)
             return
         if shard_id not in self._offsets:
             raise ValueError(f"tensor {name!r}: unknown shard {shard_id!r} for this layer")
@@ -123,6 +127,7 @@ class Linear(nn.Module):
         return materialize(loaded)
 
     weight_loader.accepts_lazy = True   # it narrows before reading (models/weights.py)
+    weight_loader.accepts_owned = True
 
     def shard_range(self, shard_id) -> tuple[int, int]:
         return self._offsets[shard_id]

@@ -9,7 +9,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from tokenmill.layers.lazy import LazyTensor, materialize
+from tokenmill.layers.lazy import LazyTensor, Owned, materialize
 
 # Buffers some checkpoints carry that the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -23,6 +23,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
     expected = _expected_sources(params, stacked, tied)
     seen: set[str] = set()
     for name, tensor in tensors:
+        owned = isinstance(tensor, Owned)
+        if owned:
+            tensor = tensor.tensor
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         if tied and name == "lm_head.weight":
@@ -42,8 +45,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
                                  f"expected {tuple(param.shape)}")
             param.data.copy_(tensor)
         else:
+            handover = {"owned": True} if owned and getattr(loader, "accepts_owned", False) else {}
             loader(param, tensor if isinstance(tensor, LazyTensor) else tensor.to(param.dtype),
-                   shard, name=name)
+                   shard, name=name, **handover)
         seen.add(name)
     missing = sorted(expected - seen)
     if missing:

@@ -196,15 +196,17 @@ class GGUFMethod(PackedLinearMethod):
         self.kind, self.group_size, self.has_mins = kind, group_size, has_mins or kind == "i4"
 
     def create_weights(self, layer):
+        # torch.empty: pages nobody touches until the checkpoint fills them (load_weights
+        # insists on every tensor), or never when the loader keeps the repacked array itself
         n, k, g = layer.out_features, layer.in_features, self.group_size
         if self.kind == "i8":
-            new_param(layer, "qweight", torch.zeros(n, k, dtype=torch.int8), input_dim=1)
+            new_param(layer, "qweight", torch.empty(n, k, dtype=torch.int8), input_dim=1)
         else:
-            new_param(layer, "qweight", torch.zeros(n, k // 2, dtype=torch.uint8), input_dim=1,
+            new_param(layer, "qweight", torch.empty(n, k // 2, dtype=torch.uint8), input_dim=1,
                       input_pack=2)
         if self.has_mins:
-            new_param(layer, "mins", torch.zeros(n, k // g), input_dim=1, input_pack=g)
-        new_param(layer, "scales", torch.zeros(n, k // g), input_dim=1, input_pack=g)
+            new_param(layer, "mins", torch.empty(n, k // g), input_dim=1, input_pack=g)
+        new_param(layer, "scales", torch.empty(n, k // g), input_dim=1, input_pack=g)
 
     def process_weights_after_loading(self, layer):
         n, k = layer.out_features, layer.in_features

@@ -24,6 +24,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from tokenmill.layers.lazy import Owned
 from tokenmill.models.loader import gguf_kquants, gguf_llama
 from tokenmill.models.loader.gguf_quants import ggml_type
 
@@ -112,8 +113,8 @@ def iter_tensors(checkpoint, plan: dict[str, tuple[list[str], bool]],
             if heads:  # the q/k row un-permutation of the float path, on packed rows
                 packed = {key: gguf_llama.unpermute_rope_rows(value, heads) for key, value in packed.items()}
             for prefix in targets:
-                for key, value in packed.items():
-                    yield f"{prefix}.{key}", torch.from_numpy(np.ascontiguousarray(value))
+                for key, value in packed.items():   # fresh arrays (_repack_by_rows): handed over
+                    yield f"{prefix}.{key}", Owned(torch.from_numpy(np.ascontiguousarray(value)))
         if not lazy:   # the float conversions' pages too (lazy tensors are read later)
             gguf.release_tensor(gguf_name)
 
