@@ -31,6 +31,7 @@ class State:
     params: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0))
     seed: Optional[int] = None
     drawn_noise: dict = field(default_factory=dict)
+    noise_budget: Optional[object] = None
 
     def tokens(self, start, end):
         return self.all_tokens[start:end]

@@ -23,7 +23,7 @@ def target_samples(logits, params, seeds, positions):
 
 
 def states(params, seeds):
-    return [SimpleNamespace(params=p, seed=s, drawn_noise={}) for p, s in zip(params, seeds)]
+    return [SimpleNamespace(params=p, seed=s, drawn_noise={}, noise_budget=None) for p, s in zip(params, seeds)]
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.6, top_p=0.9),
@@ -133,3 +133,56 @@ def test_seeded_output_is_plain_with_every_step_drafting(tiny_llama_dir, method,
     proposer.propose = checking
     assert outputs(spec) == outputs(plain)
     assert spec.get_stats()["spec_num_draft_tokens"] >= 40 and sum(checked) >= 40
+
+
+def test_rows_past_the_noise_budget_are_drawn_again_not_kept():
+    """A budget with room for one row keeps the first and only counts it; every row handed
+    out is the target's noise at its (seed, position) either way."""
+    from tokenmill.sample.noise_budget import NoiseBudget
+    from tokenmill.sample.sampler import position_noise
+    from tokenmill.spec.coupled import noise_row
+    budget = NoiseBudget(V * 4)
+    a, b = states([SamplingParams(temperature=1.0)] * 2, [11, 12])
+    a.noise_budget = b.noise_budget = budget
+    rows = [noise_row(a, 3, V, "cpu"), noise_row(b, 3, V, "cpu"), noise_row(a, 4, V, "cpu")]
+    assert list(a.drawn_noise) == [3] and b.drawn_noise == {} and budget.used == V * 4
+    for row, (seed, pos) in zip(rows, [(11, 3), (12, 3), (11, 4)]):
+        assert torch.equal(row, position_noise(seed, pos, V, "cpu"))
+    budget.recount([a, b])
+    assert budget.used == V * 4
+    a.drawn_noise.clear()
+    budget.recount([a, b])
+    assert budget.used == 0 and budget.take(V * 4)
+    with pytest.raises(ValueError, match="noise budget"):
+        NoiseBudget(-1)
+
+
+@pytest.mark.parametrize("rows", [0, 3])
+def test_seeded_output_is_plain_whatever_the_noise_budget(tiny_llama_dir, rows):
+    """A budget of 0 keeps no drawn row: the sampler draws each one itself, from the same
+    (seed, position). A budget of 3 rows keeps 3 a step, to the last step (it is recounted
+    each step, so rows of emitted positions stop counting). The output equals no
+    speculation either way."""
+    prompts = [[(13 * i + 3 * j) % 380 + 3 for j in range(n)] for i, n in enumerate([6, 17, 30])]
+    params = [SamplingParams(temperature=1.0, seed=300 + i, max_tokens=12, ignore_eos=True)
+              for i in range(len(prompts))]
+
+    def outputs(llm):
+        return [o.outputs[0].token_ids for o in
+                llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    plain = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=64)
+    spec = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=64,
+               speculative_config=dict(method="layer_skip", num_speculative_tokens=3, adaptive=False))
+    runner = spec.engine.runner
+    runner.noise_budget.max_bytes = rows * runner.vocab_size * 4
+    proposer, kept = runner.spec.proposer, []
+    propose = proposer.propose
+
+    def watching(inp):
+        drafts = propose(inp)
+        kept.append(sum(len(state.drawn_noise) for state in inp.states))
+        return drafts
+    proposer.propose = watching
+    assert outputs(spec) == outputs(plain)
+    assert spec.get_stats()["spec_num_draft_tokens"] >= 20 and len(kept) >= 4
+    assert max(kept) == rows and (rows == 0 or kept[-1] > 0)

@@ -9,6 +9,7 @@ import torch
 from tokenmill.layers.attention.base import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata, to_device
 from tokenmill.pooling_params import PoolingParams
+from tokenmill.sample.noise_budget import NoiseBudget
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -28,6 +29,7 @@ class RunnerRequestState:
     # output position -> [V] Exp(1) noise a coupled drafter drew ahead (spec/coupled.py);
     # the sampler takes it instead of drawing the same values again
     drawn_noise: dict = field(default_factory=dict)
+    noise_budget: Optional[NoiseBudget] = None   # the runner's cap on all kept rows
     pooling_params: Optional[PoolingParams] = None   # a prompt-only (pooling) request
     # Pooling so far, float32 [hidden]: the sum of the computed prompt rows (mean) or the
     # newest row (last); chunks of a prompt add to it step by step.

@@ -18,6 +18,7 @@ from tokenmill.runner.pooler import pool_rows
 from tokenmill.sample.grammar_mask import bitmask_rows
 from tokenmill.sample.metadata import (RowSamplingState, build_sampling_metadata, make_request_generator,
                                        step_seed)
+from tokenmill.sample.noise_budget import NoiseBudget
 from tokenmill.sample.rejection import RejectionSampler
 from tokenmill.sample.sampler import Sampler, compute_logprobs, torch_argmax
 from tokenmill.sched.output import SchedulerOutput
@@ -69,6 +70,7 @@ class ModelRunner:
         self.shared_generator = torch.Generator(device=device)
         self.shared_generator.manual_seed(seed)
         self.states: dict[str, RunnerRequestState] = {}
+        self.noise_budget = NoiseBudget()   # noise rows drafters keep for the sampler
         self.rejection_sampler = RejectionSampler(argmax)
         self.spec = None   # tokenmill.spec.decoder.SpecDecoder, attached by the engine
         self.faults = faults   # test-only fault injection (tokenmill.runner.faults)
@@ -100,13 +102,15 @@ class ModelRunner:
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
                 output_token_ids=list(new.output_token_ids), params=new.sampling_params,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-                seed=seed, generator=generator, pooling_params=new.pooling_params)
+                seed=seed, generator=generator, pooling_params=new.pooling_params,
+                noise_budget=self.noise_budget)
         for cached in so.scheduled_cached_reqs:
             state = self.states[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
         for req_id, drafts in so.scheduled_spec_token_ids.items():
             self.states[req_id].spec_token_ids = drafts
+        self.noise_budget.recount(self.states.values())
 
     # -- one step ---------------------------------------------------------------------------
     @torch.inference_mode()

@@ -30,10 +30,14 @@ def coupled(state) -> bool:
 
 def noise_row(state, position: int, vocab: int, device) -> torch.Tensor:
     """[vocab] the target's noise for ``state`` at output ``position``, drawn once: it is kept
-    in ``state.drawn_noise``, where the runner's sampler takes it instead of drawing it again."""
+    in ``state.drawn_noise``, where the runner's sampler takes it instead of drawing it again,
+    while ``state.noise_budget`` (None: no cap) has room for it."""
     row = state.drawn_noise.get(position)
     if row is None:
-        row = state.drawn_noise[position] = position_noise(state.seed, position, vocab, device)
+        row = position_noise(state.seed, position, vocab, device)
+        budget = state.noise_budget
+        if budget is None or budget.take(row.numel() * row.element_size()):
+            state.drawn_noise[position] = row
     return row
 
 
