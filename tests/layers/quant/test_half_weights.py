@@ -161,3 +161,59 @@ def test_a_draft_vocabulary_head_over_16_bit_weights_keeps_float32_activations(t
     logits = head.logits(hidden)
     assert logits.dtype is torch.float32
     assert torch.equal(logits, target.compute_logits(hidden)[:, ids])
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_weights_round_as_they_load_and_the_float32_parameter_is_never_written(name):
+    """Each checkpoint tensor (fused shards too) goes straight into a 16-bit copy, so a
+    model's float32 weights never all exist at once; the result is the rounded checkpoint."""
+    from torch import nn
+    from tokenmill.layers.linear import Linear, MergedLinear
+    from tokenmill.layers.quant.methods import HalfWeightMethod
+    from tokenmill.models.weights import load_weights
+
+    class Model(nn.Module):
+        stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k")}
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = Linear(8, 4)
+            self.qkv_proj = MergedLinear(8, [4, 2], ["q", "k"])
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {"proj.weight": torch.randn(4, 8, generator=g), "q_proj.weight": torch.randn(4, 8, generator=g),
+               "k_proj.weight": torch.randn(2, 8, generator=g)}
+    model = Model()
+    for layer in (model.proj, model.qkv_proj):
+        layer.set_quant_method(HalfWeightMethod(name))
+        layer.weight.data.fill_(float("nan"))   # what an unwritten parameter would show
+    load_weights(model, tensors.items())
+    assert model.proj.weight.isnan().all() and model.qkv_proj.weight.isnan().all()
+    for layer in (model.proj, model.qkv_proj):
+        layer.quant_method.process_weights_after_loading(layer)
+    dtype = torch.bfloat16 if name == "bf16" else torch.float16
+    assert model.proj.weight.dtype == dtype
+    assert torch.equal(model.proj.weight, tensors["proj.weight"].to(dtype))
+    want = torch.cat([tensors["q_proj.weight"], tensors["k_proj.weight"]]).to(dtype)
+    assert torch.equal(model.qkv_proj.weight, want)
+
+
+def test_fp16_weights_refuse_values_past_its_range():
+    from torch import nn
+    from tokenmill.layers.linear import Linear
+    from tokenmill.layers.quant.methods import HalfWeightMethod
+    from tokenmill.models.weights import load_weights
+
+    for value, fails in ((6e4, False), (7e4, True), (float("-inf"), True)):
+        model = nn.Module()
+        model.proj = Linear(4, 2)
+        model.proj.set_quant_method(HalfWeightMethod("fp16"))
+        weight = torch.ones(2, 4)
+        weight[1, 2] = value
+        load_weights(model, [("proj.weight", weight)])
+        if fails:
+            with pytest.raises(ValueError, match="beyond float16's range"):
+                model.proj.quant_method.process_weights_after_loading(model.proj)
+        else:
+            model.proj.quant_method.process_weights_after_loading(model.proj)
+            assert model.proj.weight[1, 2].item() == pytest.approx(6e4, rel=1e-3)

@@ -102,8 +102,11 @@ FP16_MAX = 65504.0   # largest finite float16
 class HalfWeightMethod(LinearMethod):
     """Weights stored in 16 bits (bfloat16 or float16), activations and sums in float32.
 
-    The float32 weights load as usual and are rounded to nearest once after loading. The C
-    kernels widen each 16-bit value exactly and run the float32 kernels' arithmetic
+    Each checkpoint tensor is rounded to nearest as it loads, into a 16-bit copy (so the
+    float32 weights never all exist at once: the float32 parameter load_weights addresses
+    stays unwritten), which replaces the parameter after loading. A tied head, loaded
+    through the embedding's float table, is rounded then. The C kernels widen each 16-bit
+    value exactly and run the float32 kernels' arithmetic
     (cpu_ops.linear_half): decode-sized steps read half the bytes of float32 weights, and
     no second (prepacked) copy is kept, so the weights take a quarter of the float32 path's
     memory. Output bits are those of the float32 model on the rounded weights, at every row
@@ -115,16 +118,35 @@ class HalfWeightMethod(LinearMethod):
         if name not in HALF_DTYPES:
             raise ValueError(f"16-bit weights are one of {', '.join(HALF_DTYPES)}, got {name!r}")
         self.name, self.dtype = name, HALF_DTYPES[name]
+        self.rounded: Optional[nn.Parameter] = None   # the 16-bit copy while loading
 
     def create_weights(self, layer: nn.Module) -> None:
         UnquantizedLinearMethod().create_weights(layer)
+        layer.weight.weight_loader = self._rounding_loader(layer)
+
+    def _rounding_loader(self, layer: nn.Module):
+        """The layer's own loader (shards, tensor-parallel pieces) writing into the 16-bit
+        copy: copy_ rounds to nearest, as ``.to`` does."""
+        def load(param, loaded, shard_id=None, name: str = "") -> None:
+            if self.rounded is None:
+                self.rounded = nn.Parameter(torch.empty(param.shape, dtype=self.dtype,
+                                                        device=param.device), requires_grad=False)
+                for attr in ("output_dim", "output_pack", "input_dim", "input_pack"):
+                    setattr(self.rounded, attr, getattr(param, attr))
+            layer.weight_loader(self.rounded, loaded, shard_id, name)
+        load.accepts_lazy = True
+        return load
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        w = layer.weight.data
-        if self.dtype is torch.float16 and w.numel() and w.abs().max().item() > FP16_MAX:
+        if self.rounded is not None:
+            w, self.rounded = self.rounded.data, None
+        else:   # loaded as float32 (a tied head's embedding table, random weights)
+            w = layer.weight.data.to(self.dtype)
+        # float16 rounds values past its range to inf
+        if self.dtype is torch.float16 and w.numel() and torch.isinf(w).any().item():
             raise ValueError(f"a weight of {layer.out_features} x {layer.in_features} holds values "
                              f"beyond float16's range (+-{FP16_MAX:g}); use quantization='bf16'")
-        layer.weight = nn.Parameter(w.to(self.dtype).contiguous(), requires_grad=False)
+        layer.weight = nn.Parameter(w.contiguous(), requires_grad=False)
 
     def apply(self, layer, x, bias):
         if self.cpu_kernels and x.dim() == 2:
