@@ -9,7 +9,8 @@ from tokenmill.layers.linear import Linear, MergedLinear
 from tokenmill.models.weights import load_weights
 
 
-class _Model(nn.Module):
+class TwoLinears(nn.Module):
+    """A plain linear and a fused q / k one (tests/layers/quant/test_half_weights.py too)."""
     stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k")}
 
     def __init__(self) -> None:
@@ -26,7 +27,7 @@ def _tensors(owned: bool, dtype=torch.float32):
 
 
 def test_an_owned_whole_tensor_becomes_the_parameter():
-    model, tensors = _Model(), _tensors(owned=True)
+    model, tensors = TwoLinears(), _tensors(owned=True)
     load_weights(model, tensors.items())
     given = tensors["proj.weight"].tensor
     assert model.proj.weight.data_ptr() == given.data_ptr()   # kept, not copied
@@ -37,13 +38,13 @@ def test_an_owned_whole_tensor_becomes_the_parameter():
 
 
 def test_plain_sliced_or_converted_tensors_are_copied():
-    model, tensors = _Model(), _tensors(owned=False)
+    model, tensors = TwoLinears(), _tensors(owned=False)
     load_weights(model, tensors.items())
     assert model.proj.weight.data_ptr() != tensors["proj.weight"].data_ptr()
     assert torch.equal(model.proj.weight, tensors["proj.weight"])
 
     # owned, but a slice of a bigger storage: keeping it would keep all of that alive
-    model, tensors = _Model(), _tensors(owned=True)
+    model, tensors = TwoLinears(), _tensors(owned=True)
     big = torch.randn(8, 8)
     tensors["proj.weight"] = Owned(big[4:])
     load_weights(model, tensors.items())
@@ -51,7 +52,7 @@ def test_plain_sliced_or_converted_tensors_are_copied():
     assert torch.equal(model.proj.weight, big[4:])
 
     # owned, another dtype: converted into the parameter's own
-    model, tensors = _Model(), _tensors(owned=True, dtype=torch.float64)
+    model, tensors = TwoLinears(), _tensors(owned=True, dtype=torch.float64)
     load_weights(model, tensors.items())
     assert model.proj.weight.dtype == torch.float32
     assert torch.equal(model.proj.weight, tensors["proj.weight"].tensor.float())

@@ -167,23 +167,14 @@ def test_a_draft_vocabulary_head_over_16_bit_weights_keeps_float32_activations(t
 def test_weights_round_as_they_load_and_the_float32_parameter_is_never_written(name):
     """Each checkpoint tensor (fused shards too) goes straight into a 16-bit copy, so a
     model's float32 weights never all exist at once; the result is the rounded checkpoint."""
-    from torch import nn
-    from tokenmill.layers.linear import Linear, MergedLinear
+    from tests.models.test_weight_handover import TwoLinears
     from tokenmill.layers.quant.methods import HalfWeightMethod
     from tokenmill.models.weights import load_weights
-
-    class Model(nn.Module):
-        stacked_params = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k")}
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = Linear(8, 4)
-            self.qkv_proj = MergedLinear(8, [4, 2], ["q", "k"])
 
     g = torch.Generator().manual_seed(1)
     tensors = {"proj.weight": torch.randn(4, 8, generator=g), "q_proj.weight": torch.randn(4, 8, generator=g),
                "k_proj.weight": torch.randn(2, 8, generator=g)}
-    model = Model()
+    model = TwoLinears()
     for layer in (model.proj, model.qkv_proj):
         layer.set_quant_method(HalfWeightMethod(name))
         layer.weight.data.fill_(float("nan"))   # what an unwritten parameter would show
