@@ -197,9 +197,7 @@ static inline float max_of(const float *s, int64_t n) {
         b = _mm256_max_ps(_mm256_loadu_ps(s + j + 8), b);
     }
     for (; j + 8 <= n; j += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(s + j), m8);
-    float lanes[8], m = -INFINITY;
-    _mm256_storeu_ps(lanes, _mm256_max_ps(m8, b));
-    for (int i = 0; i < 8; i++) if (lanes[i] > m) m = lanes[i];
+    float m = hmax256(_mm256_max_ps(m8, b));
     for (; j < n; j++) if (s[j] > m) m = s[j];
     return m;
 }

@@ -242,13 +242,6 @@ void tm_linear_half(const float *x, int64_t M, int64_t K, const void *w, int wdt
  * if it has one (torch.argmax's answer). torch's CPU argmax reads a 262k-token row at about
  * 2 GB/s; two vector passes over the row (the maximum, then where it first occurs) read it
  * from cache, where the head has just written it. */
-static inline float hmax256(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
-}
-
 static int64_t argmax_row(const float *x, int64_t V) {
     __m256 m8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
     int64_t i = 0;

@@ -39,6 +39,13 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+static inline float hmax256(__m256 v) {   /* the largest of 8 lanes */
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
 static inline float exp1(float x) {   /* scalar tail through the same polynomial */
     float buf[8] = {x, 0, 0, 0, 0, 0, 0, 0};
     _mm256_storeu_ps(buf, exp256(_mm256_loadu_ps(buf)));
