@@ -108,6 +108,9 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    # sliding-window layers keep only their window, in block pools of their own (kv/layout.py);
+    # False: one table over every layer, each keeping the whole context
+    sliding_window_pools: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

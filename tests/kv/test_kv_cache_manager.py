@@ -1,4 +1,5 @@
 from tokenmill.kv.kv_cache_manager import KVCacheManager
+from tokenmill.kv.layout import KVLayout
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams
 
@@ -8,25 +9,25 @@ def _req(rid, tokens, salt=None):
 
 
 def test_allocation_waste_is_only_last_block_tail():
-    kv = KVCacheManager(num_blocks=10, block_size=4)
+    kv = KVCacheManager(KVLayout.single(10), block_size=4)
     r = _req("a", list(range(10)))
     assert kv.allocate_slots(r, 10) is not None
     assert len(kv.block_ids("a")) == 3          # ceil(10 / 4)
     r.num_computed_tokens = 10
-    assert kv.allocate_slots(r, 1) == []        # 11th token fits the tail
+    assert kv.allocate_slots(r, 1) == ([],)     # 11th token fits the tail
     r.num_computed_tokens = 12
-    assert len(kv.allocate_slots(r, 1)) == 1
+    assert len(kv.allocate_slots(r, 1)[0]) == 1
 
 
 def test_allocate_fails_atomically_when_short():
-    kv = KVCacheManager(num_blocks=2, block_size=4)
+    kv = KVCacheManager(KVLayout.single(2), block_size=4)
     r = _req("a", list(range(12)))
     assert kv.allocate_slots(r, 12) is None
     assert kv.num_free_blocks == 2 and kv.block_ids("a") == []
 
 
 def test_prefix_hit_leaves_last_token_and_shares_blocks():
-    kv = KVCacheManager(num_blocks=10, block_size=4)
+    kv = KVCacheManager(KVLayout.single(10), block_size=4)
     a = _req("a", list(range(9)))
     kv.allocate_slots(a, 9)
     a.num_computed_tokens = 9
@@ -45,7 +46,7 @@ def test_prefix_hit_leaves_last_token_and_shares_blocks():
 
 
 def test_different_salts_never_share():
-    kv = KVCacheManager(num_blocks=10, block_size=4)
+    kv = KVCacheManager(KVLayout.single(10), block_size=4)
     a = _req("a", list(range(9)), salt="x")
     kv.allocate_slots(a, 9)
     a.num_computed_tokens = 9
@@ -55,7 +56,7 @@ def test_different_salts_never_share():
 
 
 def test_caching_disabled_finds_nothing():
-    kv = KVCacheManager(num_blocks=10, block_size=4, enable_caching=False)
+    kv = KVCacheManager(KVLayout.single(10), block_size=4, enable_caching=False)
     a = _req("a", list(range(9)))
     kv.allocate_slots(a, 9)
     a.num_computed_tokens = 9

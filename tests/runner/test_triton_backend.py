@@ -95,6 +95,35 @@ def test_decode_graph_buffers_pad_a_bucket(triton_llm, tiny_llama_hf):
         assert out.outputs[0].token_ids == _hf_greedy(tiny_llama_hf, prompt, 4)
 
 
+def test_window_pools_run_on_the_graph_buffers(tmp_path, triton_device):
+    """A tiny Gemma3 (window 8) whose sliding layers keep their window in a pool of their
+    own: decode steps run on the bucket buffers, a table and slot buffer per KV group, and
+    give the reference backend's tokens."""
+    from tests.models.test_fused_architectures import _save_tiny
+    _, path = _save_tiny("gemma3", tmp_path)
+    prompts = [[(13 * i + 7 * j) % 250 + 3 for j in range(n)] for i, n in enumerate([5, 19, 2, 33])]
+    kw = dict(model=path, skip_tokenizer_init=True, num_kv_blocks=64, block_size=4, max_num_seqs=4,
+              max_num_batched_tokens=16)
+    llm = LLM(attention_backend="triton", device=triton_device.type, **kw)
+    runner = llm.engine.runner
+    assert [g.window for g in runner.kv_layout.groups] == [None, 8]
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.backend, max_num_seqs=4,
+                          max_model_len=256, block_size=4, device=runner.device, capture=False,
+                          kv_layout=runner.kv_layout)
+    used = []
+    run = graphs.run
+
+    def spy(inp, size):
+        used.append(size)
+        return run(inp, size)
+
+    graphs.run = spy
+    runner.graphs = graphs
+    got = _run(llm, prompts, _greedy(10))
+    want = _run(LLM(attention_backend="reference", **kw), prompts, _greedy(10))
+    assert used and [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
 def test_capture_sizes():
     assert capture_sizes(1) == (1,)
     assert capture_sizes(40) == (1, 2, 4, 8, 16, 32, 40)

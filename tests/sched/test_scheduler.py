@@ -7,6 +7,7 @@ from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.outputs import ModelRunnerOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.kv.layout import KVLayout
 from tokenmill.sched.scheduler import Scheduler
 
 VOCAB = 1000
@@ -43,7 +44,7 @@ class HistoryModel:
 def make_sched(num_blocks=64, block_size=4, max_seqs=8, budget=32, policy="fcfs", caching=True):
     return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy),
                      CacheConfig(block_size=block_size, enable_prefix_caching=caching),
-                     num_blocks, max_model_len=256)
+                     KVLayout.single(num_blocks), max_model_len=256)
 
 
 def req(rid, n_prompt, max_tokens=6, priority=0, arrival=None, **kw):

@@ -8,6 +8,7 @@ from tokenmill.distributed import serial
 from tokenmill.outputs import ModelRunnerOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.kv.layout import KVLayout
 from tokenmill.sched.scheduler import Scheduler
 from tokenmill.structured.grammar import fill_bitmasks
 from tokenmill.structured.params import StructuredOutputsParams as S
@@ -15,7 +16,8 @@ from tokenmill.structured.params import StructuredOutputsParams as S
 
 def make_sched(budget=8):
     return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget),
-                     CacheConfig(block_size=4, enable_prefix_caching=True), 64, max_model_len=256)
+                     CacheConfig(block_size=4, enable_prefix_caching=True), KVLayout.single(64),
+                     max_model_len=256)
 
 
 def request(rid, prompt_len, compiler, spec, tok):

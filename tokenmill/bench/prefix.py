@@ -67,9 +67,7 @@ def _run_all(llm, convs, args, params, bar) -> dict:
 
 
 def _set_caching(llm, enabled: bool) -> None:
-    kv = llm.engine.scheduler.kv
-    kv.pool.reset_prefix_cache()
-    kv.enable_caching = kv.pool.enable_caching = enabled
+    llm.engine.scheduler.kv.set_caching(enabled)
 
 
 def run(args) -> int:

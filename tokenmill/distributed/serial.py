@@ -79,6 +79,7 @@ def decode(data: bytes) -> Any:
 def _register_engine_types() -> None:
     from tokenmill import outputs
     from tokenmill.config import FaultRule, SpeculativeConfig
+    from tokenmill.kv.layout import KVGroup, KVLayout
     from tokenmill.pooling_params import PoolingParams
     from tokenmill.sampling_params import SamplingParams
     from tokenmill.sched import output as sched_output
@@ -88,7 +89,8 @@ def _register_engine_types() -> None:
                 sched_output.GrammarBitmask,
                 sched_output.SchedulerOutput, outputs.Logprob, outputs.ModelRunnerOutput,
                 outputs.EngineCoreOutput, outputs.CompletionOutput, outputs.RequestOutput,
-                PoolingParams, outputs.EmbeddingOutput, outputs.EmbeddingRequestOutput):
+                PoolingParams, outputs.EmbeddingOutput, outputs.EmbeddingRequestOutput,
+                KVGroup, KVLayout):
         register(cls)
 
 

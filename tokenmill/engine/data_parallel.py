@@ -224,14 +224,14 @@ class DataParallelEngine:
         """The scheduler's admission test, against the smallest replica pool (a request any
         replica may get must fit every one)."""
         worst_case = min(num_tokens, self.max_model_len)
-        num_blocks = min(info["num_total_blocks"] for info in self._infos)
+        limits = [info["max_request_tokens"] for info in self._infos
+                  if info["max_request_tokens"] is not None]   # None: windows only, no limit
         block_size = self._infos[0]["block_size"]
-        needed = cdiv(worst_case, block_size)
-        if needed > num_blocks:
+        if limits and worst_case > min(limits):
             raise ValueError(
-                f"request needs up to {needed} KV blocks ({num_tokens} prompt + max_tokens) but "
-                f"the KV cache holds only {num_blocks} blocks of {block_size} tokens; lower "
-                f"max_tokens or give the cache more memory")
+                f"request needs up to {cdiv(worst_case, block_size)} KV blocks ({num_tokens} prompt "
+                f"+ max_tokens) but the KV cache holds only {min(limits) // block_size} blocks of "
+                f"{block_size} tokens; lower max_tokens or give the cache more memory")
 
     def abort_request(self, request_id: str) -> None:
         req = self._inflight.pop(request_id, None)

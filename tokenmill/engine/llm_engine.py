@@ -17,6 +17,7 @@ from tokenmill.runner.executor import StepFailedError, make_executor
 from tokenmill.runner.worker import RankSpec
 from tokenmill.engine.stats import EngineStats, free_memory_bytes
 from tokenmill.kv.kv_cache_manager import PrefixCacheStats
+from tokenmill.kv.layout import KVLayout, plan_kv_layout
 from tokenmill.models.hub import resolve_model
 from tokenmill.models.registry import check_parallel_layout
 from tokenmill.models.loader import load_tokenizer, open_checkpoint
@@ -75,8 +76,9 @@ class LLMEngine:
         num_blocks = decide_num_blocks(cc.num_kv_blocks, cc.kv_cache_memory,
                                        cc.gpu_memory_utilization, per_block, self.device,
                                        self.weight_bytes)
-        lookahead = self.executor.init_cache(num_blocks, cc.block_size)   # rank 0 speculates
-        self.scheduler = Scheduler(config.scheduler, cc, num_blocks, self.max_model_len,
+        self.kv_layout = self._kv_layout(r0.layer_windows or (None,) * r0.num_layers, num_blocks)
+        lookahead = self.executor.init_cache(self.kv_layout, cc.block_size)   # rank 0 speculates
+        self.scheduler = Scheduler(config.scheduler, cc, self.kv_layout, self.max_model_len,
                                    num_lookahead_tokens=lookahead)
         self.processor = Processor(self.tokenizer, self.max_model_len, self.vocab_size,
                                    hf.get("hidden_size"))
@@ -86,6 +88,19 @@ class LLMEngine:
         self._expert_load_cache: Optional[tuple] = None   # (monotonic time, snapshot)
         self.expert_balancer = ExpertBalancer(pc.replicate_hot_experts, pc.expert_rebalance_interval) \
             if pc.replicate_hot_experts else None
+
+    def _kv_layout(self, layer_windows: tuple, num_blocks: int) -> KVLayout:
+        """Window groups of their own unless a drafter runs target layers (layer_skip: they
+        read the target's caches through group 0's table); a drafter with caches of its own
+        indexes them by group 0's table, so group 0 then keeps every block."""
+        cc, sc, spec = self.config.cache, self.config.scheduler, self.config.speculative
+        lookahead = 0 if spec is None else spec.num_speculative_tokens + 1   # per request, at most
+        return plan_kv_layout(
+            layer_windows, num_blocks, cc.block_size, explicit_blocks=cc.num_kv_blocks is not None,
+            max_num_seqs=sc.max_num_seqs,
+            max_step_tokens=sc.max_num_batched_tokens + sc.max_num_seqs * lookahead,
+            free_windows=cc.sliding_window_pools and (spec is None or spec.method != "layer_skip"),
+            primary_shared=spec is not None and spec.method != "ngram")
 
     def _rank_spec(self) -> RankSpec:
         mc, pc = self.config.model, self.config.parallel
@@ -142,7 +157,7 @@ class LLMEngine:
         self.add_request("tokenmill-warmup", {"prompt_token_ids": prompt}, params)
         while self.has_unfinished_requests():
             self.step()
-        self.scheduler.kv.pool.reset_prefix_cache()
+        self.scheduler.kv.reset_prefix_cache()
         self.scheduler.kv.prefix_stats = PrefixCacheStats()
         self.scheduler.num_preemptions = 0
         self.num_failed_steps_in_a_row = 0
@@ -313,6 +328,10 @@ class LLMEngine:
             "num_free_blocks": kv.num_free_blocks,
             "num_total_blocks": kv.num_total_blocks,
             "block_size": kv.block_size,
+            # the pools: full-attention layers (window None) keep every block, sliding ones
+            # only their window's (kv/layout.py); the figures above are group 0's
+            "kv_groups": [{"num_layers": len(g.layers), "window": g.window, "num_blocks": g.num_blocks}
+                          for g in self.kv_layout.groups],
             "tensor_parallel_size": len(ranks),
         }
         if len(ranks) > 1:   # each rank's shard and KV heads

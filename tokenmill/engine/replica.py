@@ -159,6 +159,7 @@ def replica_info(engine) -> dict:
     return {"max_model_len": engine.max_model_len,
             "vocab_size": engine.vocab_size,   # the model's, not the tokenizer's
             "num_total_blocks": memory["num_total_blocks"], "block_size": memory["block_size"],
+            "max_request_tokens": engine.scheduler.max_request_tokens(),
             "pid": os.getpid(), "num_threads": torch.get_num_threads()}
 
 

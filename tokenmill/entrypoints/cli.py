@@ -55,6 +55,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tokens a request's grammar forces next, verified as drafts in one "
                         "forward (structured outputs; exact); 0 = off")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--sliding-window-pools", action=argparse.BooleanOptionalAction, default=True,
+                   help="sliding-window layers keep only their window's KV blocks, in pools of "
+                        "their own (--no-sliding-window-pools: every layer keeps the whole context)")
     g.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--quantization", default=None,
@@ -136,7 +139,8 @@ def _make_llm(args):
                gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                max_num_batched_tokens=args.max_num_batched_tokens,
                max_forced_drafts=args.max_forced_drafts,
-               enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+               enable_prefix_caching=args.enable_prefix_caching,
+               sliding_window_pools=args.sliding_window_pools, seed=args.seed,
                num_threads=args.num_threads, cache_dir=_default_cache_dir(),
                quantization=args.quantization, quant_activations=args.quant_activations,
                torch_compile=args.torch_compile, cpu_weight_prepack=args.cpu_weight_prepack,

@@ -90,13 +90,17 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"the KV pool needs at least one block, got {num_blocks}")
+    def __init__(self, num_blocks: int, enable_caching: bool = True, reserved: int = 0) -> None:
+        """``reserved``: the first blocks are held for good (a windowed group's null block)."""
+        if num_blocks < reserved + 1:
+            raise ValueError(f"the KV pool needs at least one block, got {num_blocks - reserved}")
         self.num_blocks = num_blocks
+        self.reserved = reserved
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        for block in self.blocks[:reserved]:
+            block.ref_cnt = 1
+        self.free_queue = FreeBlockQueue(self.blocks[reserved:])
         self._cached: dict[bytes, KVCacheBlock] = {}
         self.num_evictions = 0
 
@@ -160,7 +164,7 @@ class BlockPool:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; only allowed when nothing is running."""
-        if self.free_queue.num_free != self.num_blocks:
+        if self.free_queue.num_free != self.num_blocks - self.reserved:
             return False
         for block in self.blocks:
             block.block_hash = None

@@ -40,10 +40,14 @@ static inline float ld_float(int64_t bits) {
 /* What is the same for every layer of one call. */
 typedef struct {
     int64_t T, H, Hq, Hkv, D, I;
-    const int64_t *pos, *slots, *block_tables, *q_start, *q_len, *seq_len;
-    int64_t bs, bt_stride, B;
+    const int64_t *pos, *q_start, *q_len, *seq_len;
+    int64_t bs, B;
     int kv_dt, q8, nthreads;
 } dec_step;
+
+/* A layer's view of the paged cache: its KV group's slots of the step's tokens and block
+ * tables (layers of a sliding window may have a pool and tables of their own). */
+enum { LKV_SLOTS, LKV_TABLES, LKV_TABLE_STRIDE, LKV_FIELDS };
 
 /* Scratch rows: h, h2 [T, H], qkv [T, (Hq + 2 Hkv) D], att [T, Hq D], gu [T, 2I], act [T, I],
  * tmp (the parts of a linear) and xp (permuted inputs). */
@@ -70,8 +74,10 @@ static const float *bias(const int64_t *ld, int field) { return (const float *)l
 
 /* x's attention half up to the o projection: w->h = o. Returns 1 if attention, 2 if the q8
  * kernel, could not allocate its buffer. */
-static int attention(const int64_t *ld, const dec_step *s, const float *x, void *kc, void *vc,
-                     float *ks, float *vs, const dec_bufs *w) {
+static int attention(const int64_t *ld, const int64_t *lkv, const dec_step *s, const float *x,
+                     void *kc, void *vc, float *ks, float *vs, const dec_bufs *w) {
+    const int64_t *slots = (const int64_t *)lkv[LKV_SLOTS];
+    const int64_t *block_tables = (const int64_t *)lkv[LKV_TABLES];
     const int64_t *lin = (const int64_t *)ld[LD_LINEARS], per_linear = DEC_PARTS * DEC_FIELDS;
     const int64_t nqkv = (s->Hq + 2 * s->Hkv) * s->D, qd = s->Hq * s->D;
     norm(ld, LD_NORM_IN, x, NULL, s->T, s->H, w->h, s->nthreads);
@@ -81,9 +87,9 @@ static int attention(const int64_t *ld, const dec_step *s, const float *x, void 
     if (ld[LD_Q_NORM]) qk_norm(ld, s, w->qkv);
     tm_rope(w->qkv, w->qkv + qd, s->T, s->Hq, s->Hkv, s->D, nqkv, nqkv, (const float *)ld[LD_COS],
             (const float *)ld[LD_SIN], s->pos);
-    write_kv(w->qkv, s->T, s->Hq, s->Hkv, s->D, s->slots, kc, vc, ks, vs, s->kv_dt);
+    write_kv(w->qkv, s->T, s->Hq, s->Hkv, s->D, slots, kc, vc, ks, vs, s->kv_dt);
     if (tm_paged_attention(w->qkv, nqkv, s->Hq, s->D, kc, vc, ks, vs, s->kv_dt, s->bs, s->Hkv,
-                           s->block_tables, s->bt_stride, s->B, s->q_start, s->q_len, s->seq_len,
+                           block_tables, lkv[LKV_TABLE_STRIDE], s->B, s->q_start, s->q_len, s->seq_len,
                            ld_float(ld[LD_SCALE]), ld[LD_WINDOW], w->att, s->nthreads))
         return 1;
     return dec_linear(lin + per_linear, bias(ld, LD_BIAS_O), w->att, s->T, qd, s->H, w->h, w->tmp,
@@ -138,7 +144,8 @@ static dec_bufs carve(float *scratch, const dec_step *s) {
     return w;
 }
 
-/* x [T, H] through L layers (layers: L rows of LD_FIELDS). Caches: arrays of L addresses;
+/* x [T, H] through L layers (layers: L rows of LD_FIELDS; layer_kv: L rows of LKV_FIELDS).
+ * Caches: arrays of L addresses;
  * kv_dt: their value type (KV_F32 / KV_F16 / KV_BF16, or KV_I8 with k_scales / v_scales,
  * else NULL: L addresses of per-slot scales). scratch holds T * (2H + Q + Hq D + 3I +
  * max(Q, 2I, H) + max(H, Hq D, I)) floats, Q = (Hq + 2Hkv) D. q8: int8 / int4 linears take
@@ -150,20 +157,20 @@ int tm_llama_decode(float *x, int64_t T, int64_t H, int64_t L, const int64_t *la
                     const int64_t *k_caches, const int64_t *v_caches,
                     const int64_t *k_scales, const int64_t *v_scales, int kv_dt,
                     int64_t Hq, int64_t Hkv, int64_t D, int64_t I, const int64_t *pos,
-                    const int64_t *slots, int64_t bs, const int64_t *block_tables,
-                    int64_t bt_stride, int64_t B, const int64_t *q_start,
+                    int64_t bs, const int64_t *layer_kv, int64_t B, const int64_t *q_start,
                     const int64_t *q_len, const int64_t *seq_len,
                     float *scratch, float *ffn_in, int q8, int nthreads,
                     float *aux, const int64_t *aux_col, int64_t n_aux) {
     /* aux [T, n_aux * H] (or NULL): after layer l, column block aux_col[l] >= 0 gets a copy of
      * x, so a drafter's layer features need no call of their own (no copy: aux_col[l] < 0) */
-    const dec_step s = {T, H, Hq, Hkv, D, I, pos, slots, block_tables, q_start, q_len, seq_len,
-                        bs, bt_stride, B, kv_dt, q8, nthreads};
+    const dec_step s = {T, H, Hq, Hkv, D, I, pos, q_start, q_len, seq_len, bs, B, kv_dt, q8,
+                        nthreads};
     const dec_bufs w = carve(scratch, &s);
     for (int64_t l = 0; l < L; l++) {
         const int64_t *ld = layers + l * LD_FIELDS;
         float *ks = k_scales ? (float *)k_scales[l] : NULL, *vs = v_scales ? (float *)v_scales[l] : NULL;
-        const int failed = attention(ld, &s, x, (void *)k_caches[l], (void *)v_caches[l], ks, vs, &w);
+        const int failed = attention(ld, layer_kv + l * LKV_FIELDS, &s, x, (void *)k_caches[l],
+                                     (void *)v_caches[l], ks, vs, &w);
         if (failed) return failed;
         attention_residual(ld, &s, x, &w);
         if (ffn_in) {

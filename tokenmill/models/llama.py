@@ -132,8 +132,8 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and not self.norm_over_projection:   # per head, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k, meta.plan_cache)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                              sliding_window=self.sliding_window)
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta.for_window(self.sliding_window),
+                              self.scale, sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 

@@ -60,8 +60,8 @@ class InProcessExecutor:
     def runner(self):
         return self.worker.runner
 
-    def init_cache(self, num_blocks: int, block_size: int) -> int:
-        return self.worker.init_cache(num_blocks, block_size)
+    def init_cache(self, kv_layout, block_size: int) -> int:
+        return self.worker.init_cache(kv_layout, block_size)
 
     def execute(self, so):
         return step_result([self.worker.execute_step(so)])
@@ -118,8 +118,8 @@ class MultiprocExecutor:
     runner = None
 
     # -- calls ----------------------------------------------------------------------------
-    def init_cache(self, num_blocks: int, block_size: int) -> int:
-        return self._all("init_cache", (num_blocks, block_size))[0]
+    def init_cache(self, kv_layout, block_size: int) -> int:
+        return self._all("init_cache", (kv_layout, block_size))[0]
 
     def rank0_call(self, kind: str):
         """Rank 0's answer to a stats request ("spec_snapshot", "expert_load", ...); every

@@ -190,6 +190,7 @@ class StackPlan:
         self.moe_ffns = [layer._modules[layer.ffn_name] for layer in layers] if kind == "moe" else None
         self.inter = 0 if self.moe_ffns else layers[0].mlp.down_proj.in_features
         self.num_layers = len(layers)
+        self.windows = tuple(layer.self_attn.sliding_window for layer in layers)   # their KV group
         self.rotaries = list({id(layer.self_attn.rotary): layer.self_attn.rotary for layer in layers}.values())
         # each module's hook dicts (registering a hook fills them; they are not replaced)
         self.hook_dicts = [d for layer in layers for m in layer.modules()

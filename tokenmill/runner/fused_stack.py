@@ -78,20 +78,19 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
     nqkv = (hq + 2 * hkv) * d
     scratch = torch.empty(t * (2 * h + nqkv + hq * d + 3 * i + max(nqkv, 2 * i, h)
                                + max(h, hq * d, i)), dtype=torch.float32)
-    tables = meta.block_tables.contiguous()
+    layer_kv, _keep = layer_cache_views(meta, plan.windows)
     q_start = meta.query_start_loc[:-1].contiguous()
     q_len = torch.tensor(meta.query_lens, dtype=torch.int64)
     seq_len = meta.seq_lens.contiguous()
-    slots = meta.slot_mapping.contiguous()
     kc, vc, ks, vs, kv_code = caches
 
     def call(first: int, count: int, ffn_in, aux_out=None, aux_cols=None) -> None:
-        def at(addresses):   # the address array from layer ``first`` on
-            return None if addresses is None else addresses.data_ptr() + 8 * first
+        def at(addresses, fields=1):   # the address array from layer ``first`` on
+            return None if addresses is None else addresses.data_ptr() + 8 * fields * first
         failed = native.library().tm_llama_decode(
             x.data_ptr(), t, h, count, plan.layers[first].data_ptr(), at(kc), at(vc), at(ks), at(vs),
-            kv_code, hq, hkv, d, i, positions.data_ptr(), slots.data_ptr(), plan.block_size,
-            tables.data_ptr(), tables.shape[1], len(meta.query_lens), q_start.data_ptr(),
+            kv_code, hq, hkv, d, i, positions.data_ptr(), plan.block_size, at(layer_kv, 3),
+            len(meta.query_lens), q_start.data_ptr(),
             q_len.data_ptr(), seq_len.data_ptr(), scratch.data_ptr(),
             None if ffn_in is None else ffn_in.data_ptr(), int(activations == "q8"),
             torch.get_num_threads(), None if aux_out is None else aux_out.data_ptr(),
@@ -115,6 +114,22 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
         if aux is not None:
             aux.offer(layer, x)
     return x
+
+
+def layer_cache_views(meta, windows: tuple) -> tuple[torch.Tensor, list]:
+    """[L, 3] int64 (cpu_decode.c's LKV_*): each layer's slots, block tables and table width,
+    those of its KV group (``meta.for_window``), and the tensors the addresses point into
+    (keep them alive for the call)."""
+    views, keep = {}, []
+    rows = []
+    for window in windows:
+        m = meta.for_window(window)
+        if id(m) not in views:
+            slots, tables = m.slot_mapping.contiguous(), m.block_tables.contiguous()
+            keep += [slots, tables]
+            views[id(m)] = [slots.data_ptr(), tables.data_ptr(), tables.shape[1]]
+        rows.append(views[id(m)])
+    return torch.tensor(rows, dtype=torch.int64), keep
 
 
 @functools.lru_cache(maxsize=8)

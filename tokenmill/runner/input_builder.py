@@ -6,6 +6,7 @@ from typing import Optional
 
 import torch
 
+from tokenmill.kv.layout import NULL_BLOCK, KVLayout, first_live_block
 from tokenmill.layers.attention.base import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata, to_device
 from tokenmill.pooling_params import PoolingParams
@@ -21,7 +22,7 @@ class RunnerRequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     params: SamplingParams
-    block_ids: list[int]
+    block_tables: list[list[int]]   # per KV group (kv/layout.py), group 0 first
     num_computed_tokens: int
     seed: Optional[int]
     generator: Optional[torch.Generator] = None
@@ -38,6 +39,21 @@ class RunnerRequestState:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Group 0's table: every block of the request (drafters index their own caches by it)."""
+        return self.block_tables[0]
+
+    def forget_passed_blocks(self, layout: KVLayout, block_size: int) -> None:
+        """Point a windowed group's entries the window has passed at its null block, as the
+        scheduler returned those blocks to the pool (another request may now write them)."""
+        for group, table in zip(layout.groups, self.block_tables):
+            end = min(first_live_block(self.num_computed_tokens, group.window, block_size), len(table))
+            j = end - 1
+            while j >= 0 and table[j] != NULL_BLOCK:   # back to the last step's null entries
+                table[j] = NULL_BLOCK
+                j -= 1
 
     def forget_used_noise(self) -> None:
         """Drop the drawn noise of positions already emitted; the rest stays valid (a row's
@@ -97,8 +113,10 @@ class ModelInput:
 
 def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, RunnerRequestState],
                       block_size: int, device: torch.device,
-                      backend: Optional[AttentionBackend] = None) -> ModelInput:
-    """``backend`` builds the attention metadata (its own kind); None: the plain kind."""
+                      backend: Optional[AttentionBackend] = None,
+                      kv_layout: Optional[KVLayout] = None) -> ModelInput:
+    """``backend`` builds the attention metadata (its own kind); None: the plain kind.
+    ``kv_layout``: groups past the first get metadata of their own (``meta.by_window``)."""
     input_ids: list[int] = []
     positions: list[int] = []
     query_lens, seq_lens, block_tables = [], [], []
@@ -113,7 +131,7 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
         positions.extend(range(start, end))
         query_lens.append(n)
         seq_lens.append(end)
-        block_tables.append(state.block_ids)
+        block_tables.append(state.block_tables)
         if state.pooling_params is not None:   # prompt-only: pooled, never sampled
             pooling.append(PoolingSlice(req_id, offset, n, end >= state.num_tokens))
         elif end >= state.num_tokens:   # reached the newest token (+ k drafts): sample after each
@@ -126,7 +144,11 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
             if prompt_slice is not None:
                 prompt_slices.append(prompt_slice)
     build = backend.build_metadata if backend is not None else AttentionMetadata.build
-    meta = build(query_lens, seq_lens, block_tables, block_size, device)
+    meta = build(query_lens, seq_lens, [t[0] for t in block_tables], block_size, device)
+    if kv_layout is not None and len(kv_layout.groups) > 1:
+        group_metas = [meta] + [build(query_lens, seq_lens, [t[g] for t in block_tables], block_size, device)
+                                for g in range(1, len(kv_layout.groups))]
+        meta.by_window = {w: group_metas[g] for w, g in kv_layout.group_of_window().items() if g}
     ids_t, positions_t, logits_t = to_device(
         [torch.tensor(v, dtype=torch.int64) for v in (input_ids, positions, logits_indices)], device)
     return ModelInput(

@@ -13,6 +13,7 @@ from tokenmill.runner import fused_stack
 from tokenmill.outputs import Logprob, ModelRunnerOutput
 from tokenmill.runner.faults import FaultInjector
 from tokenmill.runner.input_builder import ModelInput, RunnerRequestState, build_model_input
+from tokenmill.kv.layout import KVLayout
 from tokenmill.runner.kv_tensors import allocate_kv_caches
 from tokenmill.runner.pooler import pool_rows
 from tokenmill.sample.grammar_mask import bitmask_rows
@@ -40,7 +41,7 @@ def compile_layers(model: torch.nn.Module, backend) -> None:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_blocks: int, block_size: int,
+    def __init__(self, model: torch.nn.Module, kv_layout: KVLayout, block_size: int,
                  device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
                  seed: int = 0, torch_compile: bool = False, cpu_kernels: bool = True,
                  faults: Optional[FaultInjector] = None, cuda_graphs: bool = False,
@@ -50,9 +51,15 @@ class ModelRunner:
         self.block_size = block_size
         a = model.args
         self.vocab_size = a.vocab_size
-        # a tensor-parallel rank's cache holds only its KV heads
-        self.kv_caches = allocate_kv_caches(a.num_hidden_layers, num_blocks, block_size,
-                                            model.num_kv_heads, a.head_dim, dtype, device)
+        # a tensor-parallel rank's cache holds only its KV heads; each KV group's layers have
+        # as many blocks as its pool
+        self.kv_layout = kv_layout
+        self.kv_caches: list = [None] * a.num_hidden_layers
+        for group in kv_layout.groups:
+            caches = allocate_kv_caches(len(group.layers), group.num_blocks, block_size,
+                                        model.num_kv_heads, a.head_dim, dtype, device)
+            for layer, cache in zip(group.layers, caches):
+                self.kv_caches[layer] = cache
         self.backend = get_attention_backend(attention_backend, cpu_kernels, device,
                                              model.num_kv_heads)
         if torch_compile:
@@ -63,7 +70,8 @@ class ModelRunner:
                 and not getattr(model, "moe_layers", None):   # MoE routing syncs with the host
             from tokenmill.runner.cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(model, self.kv_caches, self.backend, max_num_seqs,
-                                       max_model_len, block_size, device, capture=True)
+                                       max_model_len, block_size, device, capture=True,
+                                       kv_layout=kv_layout)
         # greedy tokens (and the sampling race's winners) through the C argmax on CPU
         argmax = cpu_ops.argmax_rows if cpu_kernels and device.type == "cpu" else torch_argmax
         self.sampler = Sampler(argmax)
@@ -101,13 +109,15 @@ class ModelRunner:
             self.states[new.req_id] = RunnerRequestState(
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
                 output_token_ids=list(new.output_token_ids), params=new.sampling_params,
-                block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
+                block_tables=[list(t) for t in new.block_ids], num_computed_tokens=new.num_computed_tokens,
                 seed=seed, generator=generator, pooling_params=new.pooling_params,
                 noise_budget=self.noise_budget)
         for cached in so.scheduled_cached_reqs:
             state = self.states[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            for table, added in zip(state.block_tables, cached.new_block_ids):
+                table.extend(added)
             state.num_computed_tokens = cached.num_computed_tokens
+            state.forget_passed_blocks(self.kv_layout, self.block_size)
         for req_id, drafts in so.scheduled_spec_token_ids.items():
             self.states[req_id].spec_token_ids = drafts
         self.noise_budget.recount(self.states.values())
@@ -120,7 +130,7 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], [])
         inp = build_model_input(so.num_scheduled_tokens, self.states, self.block_size, self.device,
-                                self.backend)
+                                self.backend, self.kv_layout)
         if self.faults is not None:
             self.faults.before_forward(inp.req_ids, self.states)
         aux = self._aux_capture()

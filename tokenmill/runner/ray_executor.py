@@ -101,8 +101,8 @@ class RayExecutor:
         request = serial.encode((kind, payload))
         return [serial.decode(b) for b in self._get([a.handle.remote(request) for a in self.actors])]
 
-    def init_cache(self, num_blocks: int, block_size: int) -> int:
-        return self._call_all("init_cache", (num_blocks, block_size))[0]
+    def init_cache(self, kv_layout, block_size: int) -> int:
+        return self._call_all("init_cache", (kv_layout, block_size))[0]
 
     def call_all(self, kind: str, payload) -> list:
         return self._call_all(kind, payload)

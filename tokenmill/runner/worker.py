@@ -83,6 +83,7 @@ class RankInfo:
     #                               q8 copies that replaced packed values among them
     prepacked_bytes: int
     quantization_method: str
+    layer_windows: tuple = ()     # each layer's attention window (None: full); () = all full
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -125,16 +126,17 @@ class RankWorker:
                         head_dim=a.head_dim, num_kv_heads=self.model.num_kv_heads,
                         weight_bytes=module_bytes(self.model) + tiled_only_bytes(self.model),
                         prepacked_bytes=self.model.prepacked_bytes,
-                        quantization_method=self.model.quantization_method)
+                        quantization_method=self.model.quantization_method,
+                        layer_windows=tuple(getattr(a, "sliding_windows", ()) or ()))
 
-    def init_cache(self, num_blocks: int, block_size: int) -> int:
+    def init_cache(self, kv_layout, block_size: int) -> int:
         """Allocate the KV cache and the runner; returns the speculative lookahead tokens
         the scheduler must reserve (0 without speculation)."""
         from tokenmill.runner.faults import FaultInjector
         from tokenmill.runner.model_runner import ModelRunner
         s = self.spec
         faults = FaultInjector(s.fault_injection, s.rank) if s.fault_injection else None
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.device,
+        self.runner = ModelRunner(self.model, kv_layout, block_size, self.device,
                                   _dtype(s.kv_dtype), s.attention_backend, seed=s.seed,
                                   torch_compile=s.torch_compile, cpu_kernels=s.cpu_kernels,
                                   faults=faults, cuda_graphs=not s.enforce_eager,
@@ -143,7 +145,7 @@ class RankWorker:
             return 0
         from tokenmill.spec.decoder import build_spec_decoder
         self.runner.spec = build_spec_decoder(s.speculative, self.runner, s.max_model_len,
-                                              num_blocks, s.cache_dir)
+                                              kv_layout.groups[0].num_blocks, s.cache_dir)
         return self.runner.spec.num_lookahead_tokens
 
     def execute_step(self, so):

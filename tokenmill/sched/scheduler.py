@@ -16,6 +16,7 @@ from typing import Optional
 
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.kv.kv_cache_manager import KVCacheManager
+from tokenmill.kv.layout import KVLayout
 from tokenmill.outputs import EngineCoreOutput, ModelRunnerOutput
 from tokenmill.request import Request, RequestStatus
 from tokenmill.sched.grammar_steps import advance_grammar, grammar_bitmask, grammar_drafts
@@ -26,12 +27,12 @@ from tokenmill.sched.policy import RequestQueue, pick_victim
 
 class Scheduler:
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_kv_blocks: int, max_model_len: int, num_lookahead_tokens: int = 0) -> None:
+                 kv_layout: KVLayout, max_model_len: int, num_lookahead_tokens: int = 0) -> None:
         self.config = sched_config
         # Extra slots a drafter writes draft KV into after a step (layer_skip, draft_model).
         self.num_lookahead_tokens = num_lookahead_tokens
         self.max_model_len = max_model_len
-        self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size,
+        self.kv = KVCacheManager(kv_layout, cache_config.block_size,
                                  cache_config.enable_prefix_caching)
         self.waiting = RequestQueue(sched_config.policy)
         self.running: list[Request] = []
@@ -55,12 +56,12 @@ class Scheduler:
         if request.num_prompt_tokens == 0:
             raise ValueError("the prompt is empty")
         worst_case = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-        needed = self.kv.num_blocks_needed(worst_case)
-        if needed > self.kv.num_total_blocks:
+        short = self.kv.shortfall(worst_case, self._max_step_tokens)
+        if short is not None:
             raise ValueError(
-                f"request needs up to {needed} KV blocks ({request.num_prompt_tokens} prompt + "
+                f"request needs up to {short[0]} KV blocks ({request.num_prompt_tokens} prompt + "
                 f"{request.max_tokens} max_tokens) but the KV cache holds only "
-                f"{self.kv.num_total_blocks} blocks of {self.kv.block_size} tokens; lower max_tokens "
+                f"{short[1]} blocks of {self.kv.block_size} tokens; lower max_tokens "
                 f"or give the cache more memory")
         self.requests[request.request_id] = request
         if request.grammar is not None:
@@ -69,6 +70,15 @@ class Scheduler:
         if request.sample_index == 0 and request.sampling_params.n > 1:
             self._leaders[request.parent_id] = request
         self.waiting.add(request)
+
+    @property
+    def _max_step_tokens(self) -> int:
+        """The most tokens one request's step may take slots for."""
+        return self.config.max_num_batched_tokens + self.num_lookahead_tokens
+
+    def max_request_tokens(self) -> Optional[int]:
+        """The longest request ``add_request`` admits (None: any, every KV group slides)."""
+        return self.kv.max_request_tokens(self._max_step_tokens)
 
     @property
     def num_unfinished(self) -> int:
@@ -173,9 +183,9 @@ class Scheduler:
         else:
             while len(self.running) >= self.config.max_num_seqs:
                 preempted.add(self._preempt_other(req))
-            cached_blocks, num_cached = self.kv.get_computed_blocks(req)
+            hit, num_cached = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_cached, budget)
-            while self.kv.allocate_slots(req, num_new, cached_blocks) is None:
+            while self.kv.allocate_slots(req, num_new, hit) is None:
                 preempted.add(self._preempt_other(req))
             self._start_running(req, num_cached)
             self._request_data(req, [], new_reqs)
@@ -186,7 +196,7 @@ class Scheduler:
         self._preempt(victim)
         return victim.request_id
 
-    def _allocate_running(self, req: Request, num_new: int) -> tuple[Optional[list[int]], int]:
+    def _allocate_running(self, req: Request, num_new: int) -> tuple[Optional[tuple], int]:
         """Slots for num_new tokens plus the drafter's lookahead. Speculation is optional, so
         when the pool is short the lookahead and then the drafts go before anyone is preempted."""
         ids = self.kv.allocate_slots(req, num_new + self.num_lookahead_tokens)
@@ -198,14 +208,14 @@ class Scheduler:
             ids = self.kv.allocate_slots(req, num_new)
         return ids, num_new
 
-    def _request_data(self, req: Request, new_block_ids: list[int],
+    def _request_data(self, req: Request, new_block_ids: tuple[list[int], ...],
                       new_reqs: list[NewRequestData]) -> Optional[CachedRequestData]:
         if req.request_id in self._known_to_runner:
             return CachedRequestData(req.request_id, new_block_ids, req.num_computed_tokens)
         new_reqs.append(NewRequestData(
             req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             output_token_ids=list(req.output_token_ids), sampling_params=req.sampling_params,
-            block_ids=self.kv.block_ids(req.request_id),
+            block_ids=self.kv.block_tables(req.request_id),
             num_computed_tokens=req.num_computed_tokens, generator_seed=_sample_seed(req),
             pooling_params=req.pooling_params))
         self._known_to_runner.add(req.request_id)
@@ -218,9 +228,9 @@ class Scheduler:
                 break
             if self._held_back(req):
                 continue
-            cached_blocks, num_cached = self.kv.get_computed_blocks(req)
+            hit, num_cached = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_cached, budget)
-            if self.kv.allocate_slots(req, num_new, cached_blocks) is None:
+            if self.kv.allocate_slots(req, num_new, hit) is None:
                 break   # head of line waits for blocks; later ones must not starve it
             self._start_running(req, num_cached)
             budget -= num_new

@@ -294,9 +294,11 @@ def run(args) -> int:
     temps = sorted({0.0} | {float(t) for t in args.temperature.split(",") if t.strip()})
     workloads = args.workloads.split(",")
     configs = _configs(args.methods.split(","), args)
+    # drafters are attached to this engine after it is built, and some (layer_skip) read the
+    # target's caches through group 0's table: one table over every layer
     llm = LLM(model=args.model, num_threads=args.num_threads, max_num_seqs=max(sizes),
               kv_cache_memory=args.kv_cache_memory * 1024**2, quantization=args.quantization,
-              quant_activations=args.quant_activations)
+              quant_activations=args.quant_activations, sliding_window_pools=False)
     engine = llm.engine
     full_sched = engine.scheduler.config
     result = {"bench": "spec", "model": args.model, "quantization": args.quantization,

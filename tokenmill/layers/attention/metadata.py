@@ -31,10 +31,17 @@ class AttentionMetadata:
     # Per-step derived tensors a backend computes on the first layer and reuses on the rest
     # (index lists, masks). Lives and dies with this step's metadata object.
     plan_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    # attention window -> the metadata (own block tables and slots) of the KV group whose
+    # layers attend with it (kv/layout.py); windows not named here use this one
+    by_window: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:
         return len(self.query_lens)
+
+    def for_window(self, window) -> "AttentionMetadata":
+        """The metadata a layer attending with ``window`` (None: full) reads its cache through."""
+        return self.by_window.get(window, self)
 
     @classmethod
     def build(
