@@ -146,7 +146,7 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
     build = backend.build_metadata if backend is not None else AttentionMetadata.build
     meta = build(query_lens, seq_lens, [t[0] for t in block_tables], block_size, device)
     if kv_layout is not None and len(kv_layout.groups) > 1:
-        group_metas = [meta] + [build(query_lens, seq_lens, [t[g] for t in block_tables], block_size, device)
+        group_metas = [meta] + [meta.with_tables([t[g] for t in block_tables])
                                 for g in range(1, len(kv_layout.groups))]
         meta.by_window = {w: group_metas[g] for w, g in kv_layout.group_of_window().items() if g}
     ids_t, positions_t, logits_t = to_device(

@@ -11,6 +11,7 @@ Terms:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,9 @@ class AttentionMetadata:
     # attention window -> the metadata (own block tables and slots) of the KV group whose
     # layers attend with it (kv/layout.py); windows not named here use this one
     by_window: dict = field(default_factory=dict, repr=False, compare=False)
+    # host [T] int64 (request index, position) of each query token: another KV group's slots
+    # come from them (with_tables)
+    token_positions: tuple = field(default=(), repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:
@@ -42,6 +46,17 @@ class AttentionMetadata:
     def for_window(self, window) -> "AttentionMetadata":
         """The metadata a layer attending with ``window`` (None: full) reads its cache through."""
         return self.by_window.get(window, self)
+
+    def with_tables(self, block_tables: list[list[int]]) -> "AttentionMetadata":
+        """The same step over other block tables (a KV group's): its own tables and slots,
+        every other field shared."""
+        _validate(self.query_lens, self.seq_lens_list, block_tables, self.block_size)
+        tables = _pad_block_tables(block_tables)
+        req_idx, positions = self.token_positions
+        slots = _slots(tables, req_idx, positions, self.block_size)
+        tables, slots = to_device([tables, slots], self.block_tables.device)
+        return dataclasses.replace(self, block_tables=tables, slot_mapping=slots, plan_cache={},
+                                   by_window={})
 
     @classmethod
     def build(
@@ -62,7 +77,8 @@ class AttentionMetadata:
         cu_q = torch.zeros(num_reqs + 1, dtype=torch.int64)
         torch.cumsum(q_lens, 0, out=cu_q[1:])
         tables = _pad_block_tables(block_tables)
-        slot_mapping = _slot_mapping(q_lens, s_lens, cu_q, tables, block_size)
+        req_idx, positions = _token_positions(q_lens, s_lens, cu_q)
+        slot_mapping = _slots(tables, req_idx, positions, block_size)
         cu_q, s_lens, tables, slot_mapping = to_device([cu_q, s_lens, tables, slot_mapping], device)
         return cls(
             num_tokens=int(slot_mapping.shape[0]),
@@ -75,6 +91,7 @@ class AttentionMetadata:
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
             block_size=block_size,
+            token_positions=(req_idx, positions),
             **extra,
         )
 
@@ -121,17 +138,19 @@ def _pad_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
     return torch.tensor(padded, dtype=torch.int64).reshape(len(block_tables), width)
 
 
-def _slot_mapping(
+def _token_positions(
     q_lens: torch.Tensor,   # [B]
     s_lens: torch.Tensor,   # [B]
     cu_q: torch.Tensor,     # [B+1]
-    tables: torch.Tensor,   # [B, max_num_blocks]
-    block_size: int,
-) -> torch.Tensor:          # [T]
+) -> tuple[torch.Tensor, torch.Tensor]:   # [T] request index, [T] position
     num_tokens = int(cu_q[-1])
     req_idx = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [T]
     # Position of token i of request b is (seq_len - q_len) + i.
     offset_in_run = torch.arange(num_tokens) - cu_q[:-1][req_idx]
-    positions = (s_lens - q_lens)[req_idx] + offset_in_run
+    return req_idx, (s_lens - q_lens)[req_idx] + offset_in_run
+
+
+def _slots(tables: torch.Tensor, req_idx: torch.Tensor, positions: torch.Tensor,
+           block_size: int) -> torch.Tensor:   # [T] flat cache slot of each query token
     block_ids = tables[req_idx, positions // block_size]
     return block_ids * block_size + positions % block_size
