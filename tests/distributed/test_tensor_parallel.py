@@ -115,6 +115,30 @@ def test_tp_beyond_kv_heads_replicates_them(tmp_path):
     assert all(r["kv_cache"] == single.get_memory_stats()["kv_cache"] for r in memory["ranks"])
 
 
+def test_tp2_with_window_pools_matches_one_process(tmp_path):
+    """Tiny Gemma3 (window 8) with its sliding layers in a KV pool of their own, prompts past
+    the window in chunks of 16: every rank allocates and indexes the same groups."""
+    from tests.models.test_fused_architectures import _save_tiny
+    from tokenmill.config import SchedulerConfig
+    _, path = _save_tiny("gemma3", tmp_path)
+    prompts = [[(11 * i + 5 * j) % 250 + 3 for j in range(n)] for i, n in enumerate([40, 3, 21])]
+
+    def engine(tp):
+        return LLMEngine(EngineConfig(
+            model=ModelConfig(model=path, skip_tokenizer_init=True),
+            cache=CacheConfig(block_size=4, num_kv_blocks=64),
+            scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
+            parallel=ParallelConfig(tensor_parallel_size=tp)))
+    single = engine(1)
+    assert [g.window for g in single.kv_layout.groups] == [None, 8]
+    expected = run(single, prompts, max_tokens=12)
+    split = engine(2)
+    try:
+        same_outputs(expected, run(split, prompts, max_tokens=12))
+    finally:
+        split.shutdown()
+
+
 def real_model_tp_matches(path, tp, prompts):
     """A real GGUF (packed blocks), 6 tokens per request: TP=tp against one process."""
     expected = run(make_engine(path, 1, "gguf"), prompts, max_tokens=6)

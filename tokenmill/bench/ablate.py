@@ -22,6 +22,11 @@ Ablations (--only picks some):
                       the tiled q8 GEMM (layers/quant/qgemm.py) at every row count; off: the
                       same without tiles (streaming q8 kernel for decode-sized steps,
                       dequantize + float GEMM beyond)
+  window_pools        off: sliding-window layers keep the whole context in the one table of
+                      every layer (sliding_window_pools=False), same KV bytes; on: they keep
+                      their window, in pools of their own, so more long requests fit. The
+                      pool holds a quarter of what every seat's longest request needs
+                      (--kv-budget-tokens overrides). On = off for a model without windows
 
 The workload: --num-prompts ShareGPT first turns, each with its reference answer's length
 (capped at --output-len; --fixed-output-len for all the same), all arriving at once, with
@@ -46,7 +51,8 @@ from tokenmill.bench.workloads import (SYSTEM_PROMPT, Workload, grounded_tasks, 
                                        random_turns, sharegpt_turns)
 
 ABLATIONS = ("paged_kv", "continuous_batching", "chunked_prefill", "prefix_caching",
-             "spec_decode", "quantization", "cpu_fast_paths", "weight_prepack", "q8_tiles")
+             "spec_decode", "quantization", "cpu_fast_paths", "weight_prepack", "q8_tiles",
+             "window_pools")
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
         "prompt_lookup_max": 4}
 
@@ -128,9 +134,9 @@ class Variant:
 
 def _reset_prefix_cache(llm) -> Callable[[], None]:
     def reset() -> None:
-        pool = getattr(getattr(llm.engine.scheduler, "kv", None), "pool", None)
-        if pool is not None:
-            pool.reset_prefix_cache()     # each run starts cold, as the first one did
+        kv = getattr(llm.engine.scheduler, "kv", None)
+        if kv is not None:
+            kv.reset_prefix_cache()     # each run starts cold, as the first one did
     return reset
 
 
@@ -277,7 +283,24 @@ def _variants(ctx: Context, name: str):
         return "main", Variant(on, before_run=_reset_prefix_cache(on)), \
             Variant(off, before_run=_reset_prefix_cache(off)), \
             f"{scheme}, q8 activations without the tiled GEMM"
+    if name == "window_pools":
+        return ("main", *_window_pool_variants(ctx, base))
     raise ValueError(f"unknown ablation {name!r}; choose from {', '.join(ABLATIONS)}")
+
+
+def _window_pool_variants(ctx: Context, base: Variant) -> tuple:
+    """The same KV bytes both ways: what one table over every layer holds in a quarter of
+    the seats' need (or --kv-budget-tokens), split into window pools (on) or not (off)."""
+    if all(w is None for w in base.llm.engine.kv_layout.layer_windows):
+        return base, base, "no sliding-window layers: on = off"
+    blocks = (ctx.args.kv_budget_tokens or ctx.budget_tokens() // 4) // 16
+    off = ctx.llm(num_kv_blocks=blocks, sliding_window_pools=False)
+    memory = blocks * 16 * off.get_memory_stats()["kv_bytes_per_token"]
+    on = ctx.llm(num_kv_blocks=None, kv_cache_memory=memory)
+    groups = ", ".join(f"{len(g.layers)} layers x {g.num_blocks} blocks"
+                       + (f" (window {g.window})" if g.window else "") for g in on.engine.kv_layout.groups)
+    return Variant(on, before_run=_reset_prefix_cache(on)), Variant(off, before_run=_reset_prefix_cache(off)), \
+        f"one table of {blocks} blocks for all layers; on: {groups}"
 
 
 def run(args) -> int:
