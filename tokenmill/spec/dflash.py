@@ -35,7 +35,8 @@ from tokenmill.spec.draft_head import DraftHead
 from tokenmill.spec.drafter_files import load_checked_state, read_drafter_dir
 from tokenmill.spec.trainable import quantize_linears
 from tokenmill.spec.draft_input import (DraftInput, PendingFeatures, StepFeatures, last_writes,
-                                        paged_slots, record_then_draft, validate_aux_layers)
+                                        paged_slots, record_then_draft, run_slots,
+                                        validate_aux_layers)
 
 __all__ = ["DFlashConfig", "DFlashDrafter", "DFlashProposer", "build_dflash_proposer",
            "config_for_target", "load_dflash", "save_dflash"]
@@ -75,11 +76,10 @@ class DFlashProposer:
     def record(self, f: StepFeatures) -> None:
         """Writes the context K/V of every verified row of one or more steps (in step order:
         a slot written twice keeps its newest entry)."""
-        positions = [torch.arange(s, s + n) for s, n in zip(f.starts, f.counts)]
-        slots = torch.cat([paged_slots(ids, p, self.block_size)
-                           for ids, p in zip(f.block_ids, positions)]).to(self.device)
+        slots, positions = run_slots(f, self.block_size)
+        slots = slots.to(self.device)
         keep = last_writes(slots)
-        kv = self.drafter.context_kv(f.aux.to(self.device)[keep], torch.cat(positions).to(self.device)[keep])
+        kv = self.drafter.context_kv(f.aux.to(self.device)[keep], positions.to(self.device)[keep])
         for (k_cache, v_cache), (k, v) in zip(self.kv_caches, kv):
             _flat(k_cache)[slots[keep]] = k.to(k_cache.dtype)
             _flat(v_cache)[slots[keep]] = v.to(v_cache.dtype)

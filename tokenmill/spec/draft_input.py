@@ -139,6 +139,20 @@ def record_then_draft(proposer, inp: DraftInput) -> list[list[int]]:
     return drafts
 
 
+def run_slots(f: StepFeatures, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N] cache slots and [N] positions of every row of ``f`` (run i: positions starts[i] ..
+    starts[i] + counts[i] - 1 through block table block_ids[i]), in one pass over plain ints:
+    a queue of decode steps is hundreds of one-row runs, and tensor ops per run cost more
+    than the rows."""
+    slots: list[int] = []
+    positions: list[int] = []
+    for start, count, table in zip(f.starts, f.counts, f.block_ids):
+        for p in range(start, start + count):
+            slots.append(table[p // block_size] * block_size + p % block_size)
+        positions.extend(range(start, start + count))
+    return torch.tensor(slots, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
+
+
 def paged_slots(block_ids: list[int], positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """positions [N] -> cache slots [N] through one request's block table (a drafter's own
     paged tensors are indexed like the target's)."""

@@ -27,7 +27,8 @@ from tokenmill.spec.coupled import draft_tokens
 from tokenmill.spec.trainable import init_weights, quantize_linears
 from tokenmill.spec.drafter_files import load_checked_state, read_drafter_dir
 from tokenmill.spec.draft_input import (DraftInput, PendingFeatures, StepFeatures, last_writes,
-                                        paged_slots, record_then_draft, validate_aux_layers)
+                                        paged_slots, record_then_draft, run_slots,
+                                        validate_aux_layers)
 from tokenmill.spec.eagle3_model import Eagle3Config, Eagle3Head, default_aux_layers
 
 __all__ = ["Eagle3Config", "Eagle3Head", "Eagle3Proposer", "build_eagle3_proposer",
@@ -65,24 +66,29 @@ class Eagle3Proposer:
         a slot written twice keeps its newest entry)."""
         bs, dev, head = self.block_size, self.device, self.head
         g = head.project(f.aux.to(dev))
-        slots = torch.cat([_slots(table, s, s + n, bs)
-                           for s, n, table in zip(f.starts, f.counts, f.block_ids)]).to(dev)
+        slots, positions = run_slots(f, bs)
+        slots = slots.to(dev)
         keep = last_writes(slots)
         # every feature first: a run's first entry reads its predecessor's, which an earlier
         # run of the same call may have written
         self.features[slots[keep]] = g[keep].to(self.features.dtype)
-        prev, positions = [], []
+        # each row's predecessor: the row before it in its run, or for a run's first row the
+        # stored feature of the position before (none at position 0: zeros)
+        firsts, before = [], []
         row = 0
         for s, n, table in zip(f.starts, f.counts, f.block_ids):
-            before = (self.features[_slots(table, s - 1, s, bs).to(dev)].to(g.dtype) if s > 0
-                      else g.new_zeros(1, g.shape[1]))    # entry 0 has no predecessor
-            prev.append(torch.cat([before, g[row:row + n - 1]]))
-            positions.append(torch.arange(s, s + n))
+            firsts.append(row)
+            before.append(table[(s - 1) // bs] * bs + (s - 1) % bs if s > 0 else -1)
             row += n
+        before = torch.tensor(before, dtype=torch.int64, device=dev)
+        stored = self.features[before.clamp(min=0)].to(g.dtype)
+        prev = torch.cat([g.new_zeros(1, g.shape[1]), g[:-1]])
+        prev[torch.tensor(firsts, device=dev)] = torch.where((before >= 0)[:, None], stored,
+                                                             torch.zeros_like(stored))
         tokens = torch.tensor([t for ids in f.token_ids for t in ids], device=dev)
         embeds = head.embed(self.target.model.embed_tokens, tokens)
-        x, _ = head.layer.inputs(embeds, torch.cat(prev))
-        cos, sin = head.rotary.cos_sin(torch.cat(positions).to(dev), x.dtype)
+        x, _ = head.layer.inputs(embeds, prev)
+        cos, sin = head.rotary.cos_sin(positions.to(dev), x.dtype)
         k, v = head.layer.kv(x, cos, sin)
         write_kv(k[keep], v[keep], self.kv_cache[0], self.kv_cache[1], slots[keep])
 
