@@ -28,10 +28,6 @@ class KVGroup:
     window: Optional[int]         # tokens a query sees back (its own included); None: all
     num_blocks: int               # physical blocks, a windowed group's null block included
 
-    @property
-    def num_usable_blocks(self) -> int:
-        return self.num_blocks - (self.window is not None)
-
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -46,13 +42,6 @@ class KVLayout:
     @property
     def num_layers(self) -> int:
         return sum(len(g.layers) for g in self.groups)
-
-    def group_of_layer(self) -> tuple[int, ...]:
-        out = [0] * self.num_layers
-        for g, group in enumerate(self.groups):
-            for layer in group.layers:
-                out[layer] = g
-        return tuple(out)
 
     def group_of_window(self) -> dict:
         """Attention window -> the group its layers are in (layers that share a window always
