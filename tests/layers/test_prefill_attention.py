@@ -133,3 +133,29 @@ def test_a_chunk_after_cached_rows_has_the_bits_of_a_cold_prefill(cached):
             out = backend.forward(q[lo:hi], k[lo:hi], v[lo:hi], *caches, meta, 0.125)
         return out
     assert torch.equal(prefill(cached), prefill(0)[cached:])
+
+
+@pytest.mark.parametrize("quantization,activations", [(None, "fp32"), ("int8", "q8")])
+def test_the_last_prompt_rows_after_a_prefix_hit_have_the_bits_of_a_cold_prefill(
+        tiny_llama_dir, quantization, activations):
+    """A prefix-cache hit that leaves 1-8 prompt rows (a run as short as a decode step's)
+    computes them as the prompt's other rows are, not on the decode path: the first token's
+    logprobs are the cold prefill's, bit for bit (on q8 activations the decode path's other
+    bits flipped greedy tokens of SmolLM2). The C kernels' promise: the plain-PyTorch path
+    (cpu_kernels=False) attends with SDPA, whose rows depend on the query tile."""
+    from tokenmill import LLM, SamplingParams
+    llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, block_size=4, num_kv_blocks=128,
+              quantization=quantization, quant_activations=activations)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=5)
+    base = [(7 * j + 3) % 300 + 3 for j in range(40)]
+
+    def run(ids, salt):
+        out = llm.generate([{"prompt_token_ids": ids, "cache_salt": salt}], params, use_tqdm=False)[0]
+        return out.num_cached_tokens, [{t: lp.logprob for t, lp in step.items()}
+                                       for step in out.outputs[0].logprobs]
+    for rows in range(1, 9):
+        prompt = base[:32 + rows]
+        cold = run(prompt, f"cold-{rows}")
+        run(prompt[:33], f"hit-{rows}")              # caches the first 32 tokens
+        cached, got = run(prompt, f"hit-{rows}")
+        assert cached == 32 and got == cold[1], rows

@@ -37,8 +37,10 @@ def may_apply(model: nn.Module, num_tokens: int, meta, backend) -> bool:
             and backend.cpu_kernels and cpu_ops.available()):
         return False
     from tokenmill.layers.attention.cpu import MAX_BATCHED_QUERY_LEN
-    if meta.max_query_len > MAX_BATCHED_QUERY_LEN:
-        return False   # the module path attends to longer runs with SDPA: not the same numerics
+    if meta.max_query_len > MAX_BATCHED_QUERY_LEN or any(meta.prompt_runs):
+        # the module path attends to longer runs, and to prompt rows, with the prefill
+        # attention: not the same numerics as the stack's decode attention
+        return False
     return stack_plan(model) is not None
 
 

@@ -119,7 +119,7 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
     ``kv_layout``: groups past the first get metadata of their own (``meta.by_window``)."""
     input_ids: list[int] = []
     positions: list[int] = []
-    query_lens, seq_lens, block_tables = [], [], []
+    query_lens, seq_lens, block_tables, prompt_runs = [], [], [], []
     sample_req_ids, logits_indices, prompt_slices, pooling = [], [], [], []
     num_draft_tokens: list[int] = []
     req_ids = list(num_scheduled_tokens)
@@ -132,6 +132,7 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
         query_lens.append(n)
         seq_lens.append(end)
         block_tables.append(state.block_tables)
+        prompt_runs.append(start < len(state.prompt_token_ids))
         if state.pooling_params is not None:   # prompt-only: pooled, never sampled
             pooling.append(PoolingSlice(req_id, offset, n, end >= state.num_tokens))
         elif end >= state.num_tokens:   # reached the newest token (+ k drafts): sample after each
@@ -145,6 +146,7 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
                 prompt_slices.append(prompt_slice)
     build = backend.build_metadata if backend is not None else AttentionMetadata.build
     meta = build(query_lens, seq_lens, [t[0] for t in block_tables], block_size, device)
+    meta.prompt_runs = tuple(prompt_runs)
     if kv_layout is not None and len(kv_layout.groups) > 1:
         group_metas = [meta] + [meta.with_tables([t[g] for t in block_tables])
                                 for g in range(1, len(kv_layout.groups))]

@@ -1,11 +1,12 @@
 """Faster paged attention in plain PyTorch, tuned for CPU (correct on any device).
 
 Two paths, chosen per request from the Python query lengths:
-- short runs (decode tokens, 1 + k speculative tokens) are batched: whole KV blocks are
+- short runs of generated tokens (decode tokens, 1 + k speculative tokens) are batched: whole KV blocks are
   gathered into a padded [B, L, Hkv, D] tensor with one index op and attended with one
   masked SDPA call. GQA costs no copy: the G query heads sharing a KV head are folded
   into SDPA's query-length axis, so K/V are read once per KV head.
-- long runs (prefill chunks) go one request at a time through SDPA; a chunk starting at
+- long runs and every run of prompt tokens (prefill chunks, however short: the last rows
+  after a prefix-cache hit) go one request at a time through SDPA; a chunk starting at
   position 0 attends to its fresh K/V directly, without reading the cache back.
 Where the C kernels run, both take them instead (cpu_ops.paged_attention for the short runs,
 cpu_ops.prefill_attention for the chunks: each row's bits fixed by the row alone, so a
@@ -52,11 +53,13 @@ class CpuAttention(AttentionBackend):
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         check_gqa(query.shape[1], k_cache.shape[2])
         out = torch.empty_like(query)
-        short = [b for b, q in enumerate(meta.query_lens) if q <= MAX_BATCHED_QUERY_LEN]
+        short = [b for b, q in enumerate(meta.query_lens)
+                 if q <= MAX_BATCHED_QUERY_LEN and not meta.is_prompt_run(b)]
         if short and not (self.cpu_kernels and _fused(cpu_ops.paged_attention, query, k_cache,
                                                       v_cache, meta, short, scale, sliding_window, out)):
             _batched_short(query, k_cache, v_cache, meta, short, scale, sliding_window, out)
-        long = [b for b, q in enumerate(meta.query_lens) if q > MAX_BATCHED_QUERY_LEN]
+        long = [b for b, q in enumerate(meta.query_lens)
+                if q > MAX_BATCHED_QUERY_LEN or meta.is_prompt_run(b)]
         if long and not (self.cpu_kernels and _fused(cpu_ops.prefill_attention, query, k_cache,
                                                      v_cache, meta, long, scale, sliding_window, out)):
             starts = _starts(meta.query_lens)

@@ -38,10 +38,17 @@ class AttentionMetadata:
     # host [T] int64 (request index, position) of each query token: another KV group's slots
     # come from them (with_tables)
     token_positions: tuple = field(default=(), repr=False, compare=False)
+    # per request: the run computes prompt tokens (set by the runner; () = none known). A
+    # backend computes such rows as it computes a prefill, whatever the run's length, so a
+    # prompt's bits do not depend on how much of it a prefix-cache hit covered
+    prompt_runs: tuple = field(default=(), repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:
         return len(self.query_lens)
+
+    def is_prompt_run(self, b: int) -> bool:
+        return bool(self.prompt_runs) and self.prompt_runs[b]
 
     def for_window(self, window) -> "AttentionMetadata":
         """The metadata a layer attending with ``window`` (None: full) reads its cache through."""
