@@ -152,7 +152,7 @@ def test_stack_rows_stop_where_a_streaming_kernel_stops(model_dir, quantization,
     model = llm.engine.model
     plan = llama_fused.stack_plan(model)
     assert plan.max_rows(plan.activations()) == rows
-    meta = SimpleNamespace(max_query_len=1)   # a decode step of rows + 1 requests
+    meta = SimpleNamespace(max_query_len=1, prompt_runs=())   # a decode step of rows + 1 requests
     x = torch.zeros(rows + 1, model.args.hidden_size)
     kv = llm.engine.runner.kv_caches
     assert llama_fused.run_layers(model, x, torch.zeros(rows + 1, dtype=torch.int64), kv, meta,
