@@ -112,8 +112,10 @@ def test_a_window_group_admits_any_length_that_its_window_fits():
     kv = KVCacheManager(KVLayout((KVGroup((0,), 8, 12),), (8,)), block_size=4)
     assert kv.shortfall(100_000, max_step_tokens=16) is None       # 7 + 16 keys: 7 blocks
     assert kv.shortfall(100_000, max_step_tokens=64) == (19, 11)
+    assert kv.max_request_tokens(16) is None and kv.max_request_tokens(64) == 44
     full = KVCacheManager(KVLayout.single(12), block_size=4)
     assert full.shortfall(100, max_step_tokens=16) == (25, 12)
+    assert full.max_request_tokens(16) == 48 and full.shortfall(48, 16) is None
 
 
 # Engines: tiny random models whose sliding windows (8) are far shorter than the prompts.

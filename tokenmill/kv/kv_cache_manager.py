@@ -45,7 +45,6 @@ class _Group:
         self.pool = BlockPool(num_blocks, enable_caching, reserved=int(window is not None))
         self.null = self.pool.blocks[NULL_BLOCK] if window is not None else None
         self.tables: dict[str, list[KVCacheBlock]] = {}
-        self.live_from: dict[str, int] = {}   # first table entry not yet returned as dead
 
     @property
     def num_usable_blocks(self) -> int:
@@ -55,24 +54,31 @@ class _Group:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    def most_blocks(self, num_tokens: int, max_step_tokens: int, block_size: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens, computed at most
+        ``max_step_tokens`` a step, holds here at once: a window's keys before the step,
+        the step's tokens, one partly used block."""
+        needed = cdiv(num_tokens, block_size)
+        if self.window is None:
+            return needed
+        return min(needed, cdiv(self.window - 1 + max_step_tokens, block_size) + 1)
+
     def drop_dead(self, request_id: str, num_computed: int, block_size: int) -> None:
         """Return the blocks no query from ``num_computed`` on can see (most recently passed
-        last in the eviction order)."""
+        last in the eviction order). The passed entries are a prefix of the table: walk
+        back from the new end to the null entries of earlier steps."""
         table = self.tables.get(request_id)
         if self.window is None or not table:
             return
-        start = self.live_from.get(request_id, 0)
-        end = min(first_live_block(num_computed, self.window, block_size), len(table))
-        if end <= start:
-            return
-        dead = [b for b in table[start:end] if b is not self.null]
+        start = end = min(first_live_block(num_computed, self.window, block_size), len(table))
+        while start > 0 and table[start - 1] is not self.null:
+            start -= 1
+        dead = table[start:end]
         table[start:end] = [self.null] * (end - start)
-        self.live_from[request_id] = end
         self.pool.free(dead)
 
     def free(self, request_id: str) -> None:
         table = self.tables.pop(request_id, [])
-        self.live_from.pop(request_id, None)
         self.pool.free(b for b in reversed(table) if b is not self.null)
 
 
@@ -138,9 +144,7 @@ class KVCacheManager:
         """(blocks needed, blocks held) of the first group whose pool can never hold a request
         of ``num_tokens`` tokens computed at most ``max_step_tokens`` a step; None if all can."""
         for g in self.groups:
-            needed = self.num_blocks_needed(num_tokens)
-            if g.window is not None:   # its window, the step's tokens, one partly used block
-                needed = min(needed, cdiv(g.window - 1 + max_step_tokens, self.block_size) + 1)
+            needed = g.most_blocks(num_tokens, max_step_tokens, self.block_size)
             if needed > g.num_usable_blocks:
                 return needed, g.num_usable_blocks
         return None
@@ -150,8 +154,8 @@ class KVCacheManager:
         limit (every group slides, and its pool holds a window and a step)."""
         limit = None
         for g in self.groups:
-            if g.window is None or cdiv(g.window - 1 + max_step_tokens, self.block_size) + 1 > g.num_usable_blocks:
-                tokens = g.num_usable_blocks * self.block_size
+            tokens = g.num_usable_blocks * self.block_size
+            if g.most_blocks(tokens + 1, max_step_tokens, self.block_size) > g.num_usable_blocks:
                 limit = tokens if limit is None else min(limit, tokens)
         return limit
 
