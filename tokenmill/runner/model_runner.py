@@ -109,7 +109,7 @@ class ModelRunner:
             self.states[new.req_id] = RunnerRequestState(
                 req_id=new.req_id, prompt_token_ids=list(new.prompt_token_ids),
                 output_token_ids=list(new.output_token_ids), params=new.sampling_params,
-                block_tables=[list(t) for t in new.block_ids], num_computed_tokens=new.num_computed_tokens,
+                block_tables=[list(t) for t in new.block_tables], num_computed_tokens=new.num_computed_tokens,
                 seed=seed, generator=generator, pooling_params=new.pooling_params,
                 noise_budget=self.noise_budget)
         for cached in so.scheduled_cached_reqs:

@@ -15,7 +15,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: tuple[list[int], ...]   # per KV group (kv/layout.py), group 0 first
+    block_tables: tuple[list[int], ...]   # per KV group (kv/layout.py), group 0 first
     num_computed_tokens: int
     generator_seed: int | None       # per-request seed (already offset for the n-th sample)
     pooling_params: PoolingParams | None = None   # set for a prompt-only (pooling) request

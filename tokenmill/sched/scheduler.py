@@ -215,7 +215,7 @@ class Scheduler:
         new_reqs.append(NewRequestData(
             req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             output_token_ids=list(req.output_token_ids), sampling_params=req.sampling_params,
-            block_ids=self.kv.block_tables(req.request_id),
+            block_tables=self.kv.block_tables(req.request_id),
             num_computed_tokens=req.num_computed_tokens, generator_seed=_sample_seed(req),
             pooling_params=req.pooling_params))
         self._known_to_runner.add(req.request_id)
