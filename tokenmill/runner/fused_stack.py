@@ -121,17 +121,22 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
 def layer_cache_views(meta, windows: tuple) -> tuple[torch.Tensor, list]:
     """[L, 3] int64 (cpu_decode.c's LKV_*): each layer's slots, block tables and table width,
     those of its KV group (``meta.for_window``), and the tensors the addresses point into
-    (keep them alive for the call)."""
-    views, keep = {}, []
-    rows = []
-    for window in windows:
+    (keep them alive for the call). One row per distinct window, spread to the layers."""
+    distinct, layer_row = _window_rows(windows)
+    keep, rows = [], []
+    for window in distinct:
         m = meta.for_window(window)
-        if id(m) not in views:
-            slots, tables = m.slot_mapping.contiguous(), m.block_tables.contiguous()
-            keep += [slots, tables]
-            views[id(m)] = [slots.data_ptr(), tables.data_ptr(), tables.shape[1]]
-        rows.append(views[id(m)])
-    return torch.tensor(rows, dtype=torch.int64), keep
+        slots, tables = m.slot_mapping.contiguous(), m.block_tables.contiguous()
+        keep += [slots, tables]
+        rows.append([slots.data_ptr(), tables.data_ptr(), tables.shape[1]])
+    return torch.tensor(rows, dtype=torch.int64)[layer_row], keep
+
+
+@functools.lru_cache(maxsize=8)
+def _window_rows(windows: tuple) -> tuple[tuple, torch.Tensor]:
+    """(the distinct windows, [L] int64: each layer's index among them), once per model."""
+    distinct = tuple(dict.fromkeys(windows))
+    return distinct, torch.tensor([distinct.index(w) for w in windows], dtype=torch.int64)
 
 
 @functools.lru_cache(maxsize=8)
