@@ -1,16 +1,27 @@
 """Adaptive speculation length: choose k (0 = no speculation) per step and batch size from
 measured goodput, never from acceptance alone.
 
-Each (batch-size bucket, k) is an arm of a bandit whose reward is the step's goodput:
-tokens emitted / (verify step time + time spent drafting for it). That one number already
-holds acceptance, drafting cost and how batch size turns verification compute-bound, so no
-cost model is needed. The best arm is played; the others are re-measured now and then, with
-an interval that doubles each time an arm loses (so a bad k costs a vanishing share of steps,
-which is what keeps speculation within a few percent of no speculation when it does not pay).
+Each (batch-size bucket, k) is an arm whose value is its predicted goodput: expected tokens
+per request x requests per second of its steps. The two halves are estimated apart because
+their noise differs:
+- A step's time hardly varies, so each arm's seconds per request are measured directly
+  (decayed sums: the estimate follows drift within a few steps). They hold drafting, the
+  engine's time between steps, and how batch size turns verification compute-bound: no cost
+  model is needed.
+- Tokens per step vary a lot (1 to k + 1 per request), and a bandit reading tokens / second per
+  step locks onto a short k whenever a longer one had a few unlucky steps. So the tokens are
+  predicted from counts kept per draft position j over every request of every arm that
+  reached j: d_j = P(the request got a j-th draft) (prompt lookup may find fewer, or none) and
+  a_j = P(draft j accepted | drafts 1..j-1 were). E[tokens | k] = 1 + sum_{i<=k} d_i
+  prod_{j<=i} a_j. Every step of k = 3 also teaches k = 1 and 2.
+The best arm is played; the others are re-measured now and then, with an interval that
+doubles each time an arm loses (so a bad k costs a vanishing share of steps, which is what
+keeps speculation within a few percent of no speculation when it does not pay).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 
 def bucket_of(batch_size: int) -> int:
@@ -23,10 +34,62 @@ def bucket_of(batch_size: int) -> int:
 
 @dataclass
 class _Arm:
-    rate: float = 0.0          # EMA of tokens / second
+    seconds: float = 0.0       # decayed sum of its steps' seconds
+    rows: float = 0.0          # decayed sum of the requests in those steps
     count: int = 0
     last_step: int = -1
     interval: int = 8          # steps between re-measurements while not the best
+    rate: float = 0.0          # predicted tokens / second
+
+
+PRIOR = 4.0   # pseudo-requests behind a deeper position's rates (_Acceptance.expected_tokens)
+
+
+@dataclass
+class _Acceptance:
+    """Decayed counts per draft position j (index j - 1): requests in steps of an arm with
+    k >= j (seen), those of them that got a j-th draft (drafted), those offered draft j after
+    accepting drafts 1..j-1 (offered), and those that accepted it (accepted)."""
+    seen: list
+    drafted: list
+    offered: list
+    accepted: list
+
+    @classmethod
+    def empty(cls, k_max: int) -> "_Acceptance":
+        return cls(*([0.0] * k_max for _ in range(4)))
+
+    def known(self, j: int) -> bool:
+        return self.offered[j - 1] > 0
+
+    def add(self, k: int, verdicts: Sequence[tuple[int, int]], decay: float) -> None:
+        for counts in (self.seen, self.drafted, self.offered, self.accepted):
+            for i in range(k):
+                counts[i] *= decay
+        for drafts, accepted in verdicts:
+            for i in range(k):
+                self.seen[i] += 1
+                if drafts > i:
+                    self.drafted[i] += 1
+                    if accepted >= i:          # drafts 1..i accepted: draft i + 1 was offered
+                        self.offered[i] += 1
+                        self.accepted[i] += accepted > i
+
+    def expected_tokens(self, k: int) -> float:
+        """1 + sum_{i<=k} d_i prod_{j<=i} a_j. Past position 1 each rate starts from the one
+        before it (PRIOR pseudo-requests): a position seen a few times, when only its arm's
+        rare re-measurements reach it, must not read as 0 or 1 from one request."""
+        if not self.known(1):
+            return 1.0
+        total, accepted_before = 1.0, 1.0
+        a, d = self.accepted[0] / self.offered[0], self.drafted[0] / self.seen[0]
+        for i in range(k):
+            if i > 0:
+                a = (self.accepted[i] + PRIOR * a) / (self.offered[i] + PRIOR)
+                d = (self.drafted[i] + PRIOR * d) / (self.seen[i] + PRIOR)
+            total += d * accepted_before * a
+            accepted_before *= a
+        return total
 
 
 class FixedK:
@@ -38,7 +101,8 @@ class FixedK:
     def choose(self, batch_size: int) -> int:
         return self.k
 
-    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
+    def record(self, batch_size: int, k: int, seconds: float,
+               verdicts: Sequence[tuple[int, int]] = ()) -> None:
         pass
 
     def estimated_speedup(self) -> float:
@@ -46,19 +110,31 @@ class FixedK:
 
 
 class AdaptiveK:
-    def __init__(self, k_max: int, ema: float = 0.25, warmup: int = 2,
-                 max_interval: int = 1024) -> None:
+    # per-record decay of an arm's time sums and of the acceptance counts: time follows drift
+    # within a few steps; acceptance, the noisy half, keeps the last ~500 steps' requests
+    TIME_DECAY = 0.8
+    ACCEPT_DECAY = 1 - 1 / 512
+
+    def __init__(self, k_max: int, warmup: int = 2, max_interval: int = 256) -> None:
+        self.k_max = k_max
         self.arms_k = sorted({0, 1, 2, 4, k_max} & set(range(k_max + 1)))
-        self.ema, self.warmup, self.max_interval = ema, warmup, max_interval
+        self.warmup, self.max_interval = warmup, max_interval
         self.arms: dict[tuple[int, int], _Arm] = {}
+        self.acceptance: dict[int, _Acceptance] = {}
         self.step = 0
         self._last_bucket = 1
 
     def _arm(self, bucket: int, k: int) -> _Arm:
         return self.arms.setdefault((bucket, k), _Arm())
 
+    def _accept(self, bucket: int) -> _Acceptance:
+        return self.acceptance.setdefault(bucket, _Acceptance.empty(self.k_max))
+
     def _best(self, bucket: int) -> int:
         return max(self.arms_k, key=lambda k: self._arm(bucket, k).rate)
+
+    def _measured(self, bucket: int, k: int) -> bool:
+        return self._arm(bucket, k).count >= self.warmup and (k == 0 or self._accept(bucket).known(1))
 
     def _eligible(self, bucket: int) -> list[int]:
         """Arms worth measuring: k = 0, 1, then each larger k only while the next smaller one
@@ -68,7 +144,7 @@ class AdaptiveK:
         for prev, k in zip(self.arms_k, self.arms_k[1:]):
             arm = self._arm(bucket, prev)
             best = max(self._arm(bucket, j).rate for j in out)
-            if prev > 0 and (arm.count < self.warmup or arm.rate < 0.9 * best):
+            if prev > 0 and (not self._measured(bucket, prev) or arm.rate < 0.9 * best):
                 break
             out.append(k)
         return out
@@ -78,7 +154,7 @@ class AdaptiveK:
         bucket = self._last_bucket = bucket_of(batch_size)
         eligible = self._eligible(bucket)
         for k in eligible:                          # measure eligible arms a few times first
-            if self._arm(bucket, k).count < self.warmup:
+            if not self._measured(bucket, k):
                 return k
         best = max(eligible, key=lambda k: self._arm(bucket, k).rate)
         for k in eligible:                          # then re-measure losers, rarely
@@ -88,15 +164,25 @@ class AdaptiveK:
                 return k
         return best
 
-    def record(self, batch_size: int, k: int, num_tokens: int, seconds: float) -> None:
-        if seconds <= 0 or k not in self.arms_k:
+    def record(self, batch_size: int, k: int, seconds: float,
+               verdicts: Sequence[tuple[int, int]] = ()) -> None:
+        """One step of arm k: ``batch_size`` requests in ``seconds`` (drafting included);
+        ``verdicts``: (drafts verified, drafts accepted) of each request of a k > 0 step."""
+        if seconds <= 0 or k not in self.arms_k or batch_size <= 0:
             return
         bucket = bucket_of(batch_size)
         arm = self._arm(bucket, k)
-        rate = num_tokens / seconds
-        arm.rate = rate if arm.count == 0 else (1 - self.ema) * arm.rate + self.ema * rate
+        arm.seconds = self.TIME_DECAY * arm.seconds + seconds
+        arm.rows = self.TIME_DECAY * arm.rows + batch_size
         arm.count += 1
         arm.last_step = self.step
+        acceptance = self._accept(bucket)
+        if k > 0 and verdicts:
+            acceptance.add(k, verdicts, self.ACCEPT_DECAY)
+        for j in self.arms_k:                       # new counts move every arm's prediction
+            other = self._arm(bucket, j)
+            if other.seconds > 0:
+                other.rate = acceptance.expected_tokens(j) * other.rows / other.seconds
         if arm.count > self.warmup:
             best = self._best(bucket)
             # A loser backs off (doubling), a winner is watched closely again.

@@ -148,8 +148,8 @@ class SpecDecoder:
         if not decode_only or not emitted:
             return
         tokens = {r: len(t) for r, t in zip(out.req_ids, out.sampled_token_ids)}
-        self._unrecorded = _StepTiming(list(inp.sample_req_ids), tokens, emitted, bool(num_drafts),
-                                       seconds, pending, self.stats,
+        self._unrecorded = _StepTiming(list(inp.sample_req_ids), tokens, num_drafts,
+                                       bool(num_drafts), seconds, pending, self.stats,
                                        {r: self.stats.request(r) for r in inp.sample_req_ids})
 
     def _record_timing(self, t_start: float, req_ids: list[str]) -> None:
@@ -166,9 +166,11 @@ class SpecDecoder:
             return
         batch, k, draft_seconds, drafted = step.pending
         self._estimate(step, seconds, draft_seconds, drafted)
-        # A step whose requests got no drafts (no n-gram match) was a plain step: it says
-        # nothing about verifying k drafts, so it counts for k = 0.
-        self.controller.record(batch, k if step.verified else 0, step.emitted, seconds + draft_seconds)
+        # Every request of a step that chose k, drafts or not: prompt lookup finding nothing
+        # is part of what choosing k yields (the controller counts how often drafts come).
+        verdicts = [(step.drafts.get(r, 0), step.tokens[r] - 1)
+                    for r in step.sample_req_ids if step.tokens.get(r)]
+        self.controller.record(batch, k, seconds + draft_seconds, verdicts)
 
     def _estimate(self, step: "_StepTiming", seconds: float, draft_seconds: float,
                   drafted: frozenset) -> None:
@@ -208,7 +210,7 @@ class _StepTiming:
     """A decode-only step whose timing waits for the next step's start."""
     sample_req_ids: list
     tokens: dict              # req_id -> tokens emitted
-    emitted: int
+    drafts: dict              # req_id -> drafts verified (absent: none)
     verified: bool            # some request had drafts
     seconds: float            # the runner's part: t_start to after_step
     pending: Optional[tuple]  # (batch, k, draft seconds, drafted ids) chosen for this step
