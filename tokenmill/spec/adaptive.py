@@ -115,7 +115,7 @@ class AdaptiveK:
     TIME_DECAY = 0.8
     ACCEPT_DECAY = 1 - 1 / 512
 
-    def __init__(self, k_max: int, warmup: int = 2, max_interval: int = 256) -> None:
+    def __init__(self, k_max: int, warmup: int = 2, max_interval: int = 1024) -> None:
         self.k_max = k_max
         self.arms_k = sorted({0, 1, 2, 4, k_max} & set(range(k_max + 1)))
         self.warmup, self.max_interval = warmup, max_interval
