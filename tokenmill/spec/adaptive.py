@@ -60,7 +60,8 @@ class _Acceptance:
         return cls(*([0.0] * k_max for _ in range(4)))
 
     def known(self, j: int) -> bool:
-        return self.offered[j - 1] > 0
+        """Was a request counted at position j (drafts or none)?"""
+        return self.seen[j - 1] > 0
 
     def add(self, k: int, verdicts: Sequence[tuple[int, int]], decay: float) -> None:
         for counts in (self.seen, self.drafted, self.offered, self.accepted):
@@ -79,10 +80,12 @@ class _Acceptance:
         """1 + sum_{i<=k} d_i prod_{j<=i} a_j. Past position 1 each rate starts from the one
         before it (PRIOR pseudo-requests): a position seen a few times, when only its arm's
         rare re-measurements reach it, must not read as 0 or 1 from one request."""
-        if not self.known(1):
-            return 1.0
         total, accepted_before = 1.0, 1.0
-        a, d = self.accepted[0] / self.offered[0], self.drafted[0] / self.seen[0]
+        # position 1 starts from one request that got a draft and kept it: optimism that a
+        # few unlucky first steps (no draft came, or it failed) cannot turn into a k that is
+        # never measured again; it fades as requests are counted
+        a = (self.accepted[0] + 1) / (self.offered[0] + 1)
+        d = (self.drafted[0] + 1) / (self.seen[0] + 1)
         for i in range(k):
             if i > 0:
                 a = (self.accepted[i] + PRIOR * a) / (self.offered[i] + PRIOR)
