@@ -25,21 +25,26 @@ def verdicts(rng: random.Random, alpha: float, batch: int, k: int, drafted: floa
 
 
 def simulate(alpha: float, cost, batch: int, steps: int = 2000, k_max: int = 4, seed: int = 0,
-             drafted: float = 1.0) -> tuple[float, dict]:
-    """Returns (goodput with the controller / goodput of plain decoding, k histogram)."""
+             drafted: float = 1.0, modes: tuple = ()) -> tuple[float, dict]:
+    """Returns (goodput with the controller / goodput of plain decoding, k histogram).
+    ``modes``: (alpha, drafted, cost) of each proposer mode (default: one, from the arguments);
+    the histogram's keys are then (mode, k)."""
     rng = random.Random(seed)
-    ctl = AdaptiveK(k_max)
+    arms = modes or ((alpha, drafted, cost),)
+    ctl = AdaptiveK(k_max, len(arms))
     tokens = seconds = 0.0
     chosen = {}
     for _ in range(steps):
-        k = ctl.choose(batch)
-        chosen[k] = chosen.get(k, 0) + 1
-        verdict = verdicts(rng, alpha, batch, k, drafted) if k else []
-        dt = cost(batch, k)
-        ctl.record(batch, k, dt, verdict)
+        k, mode = ctl.choose(batch)
+        key = (mode, k) if modes else k
+        chosen[key] = chosen.get(key, 0) + 1
+        m_alpha, m_drafted, m_cost = arms[mode]
+        verdict = verdicts(rng, m_alpha, batch, k, m_drafted) if k else []
+        dt = m_cost(batch, k)
+        ctl.record(batch, k, dt, verdict, mode)
         tokens += sum(a + 1 for _, a in verdict) if k else batch
         seconds += dt
-    plain = batch / cost(batch, 0)
+    plain = batch / arms[0][2](batch, 0)
     return (tokens / seconds) / plain, chosen
 
 
@@ -75,9 +80,9 @@ def test_batch_buckets_are_separate():
     ctl = AdaptiveK(4)
     for _ in range(500):
         for batch, cost in ((1, memory_bound), (16, compute_bound)):
-            k = ctl.choose(batch)
+            k, _ = ctl.choose(batch)
             ctl.record(batch, k, cost(batch, k), verdicts(rng, 0.8, batch, k) if k else [])
-    assert ctl._best(bucket_of(1)) > 0 and ctl._best(bucket_of(16)) == 0
+    assert ctl._best(bucket_of(1))[1] > 0 and ctl._best(bucket_of(16))[1] == 0
 
 
 def chat_like(batch, k):           # batch 1 on a CPU: each verified row ~6 %, each draft ~6 %
@@ -120,6 +125,33 @@ def test_a_drafter_that_rarely_drafts_but_always_costs_is_turned_off(drafted):
     ratio, chosen = simulate(0.9, lambda b, k: 1.0 + 0.3 * k, 1, steps=1500, drafted=drafted)
     assert ratio >= 0.95, (ratio, chosen)
     assert max(chosen, key=chosen.get) == 0, chosen
+
+
+def lookup_and_drafter(batch, k):    # a short target step: each trained draft costs 0.3 of it
+    return 1.0 + 0.3 * k
+
+
+def lookup_only(batch, k):           # lookup's drafts cost nothing; rows only where they came
+    return 1.0 + 0.06 * k * 0.35
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_cheaper_mode_wins_where_the_drafter_costs_more_than_it_earns(seed):
+    """gguf-q8 at batch 1: the drafter's drafts (mode 0) pass 55 % but cost 0.3 of a step
+    each, prompt lookup alone (mode 1) finds drafts for 35 % of requests that pass 70 %
+    and cost nothing to make. Mode 1 with k = 4 is worth 1.49x, mode 0's best 1.19x."""
+    modes = ((0.55, 1.0, lookup_and_drafter), (0.7, 0.35, lookup_only))
+    ratio, chosen = simulate(0, None, 1, steps=1500, seed=seed, modes=modes)
+    assert max(chosen, key=chosen.get)[0] == 1, chosen
+    assert ratio >= 1.38, (ratio, chosen)
+
+
+def test_the_drafter_is_kept_where_it_pays():
+    """fp32 at batch 1: drafts cost 0.06 of a step and pass 60 %; lookup alone stays behind."""
+    modes = ((0.6, 1.0, chat_like), (0.7, 0.35, lookup_only))
+    ratio, chosen = simulate(0, None, 1, steps=1500, modes=modes)
+    assert max(chosen, key=chosen.get)[0] == 0, chosen
+    assert ratio >= 0.96 * max(expected_goodput(0.6, chat_like, 1, k) for k in ARMS), (ratio, chosen)
 
 
 def test_ngram_lookup():

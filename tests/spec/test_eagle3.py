@@ -429,11 +429,11 @@ class Streaks:
     def __init__(self, k: int, on: int = 2, off: int = 7) -> None:
         self.k, self.on, self.off, self.step = k, on, off, 0
 
-    def choose(self, batch_size: int) -> int:
+    def choose(self, batch_size: int) -> tuple[int, int]:
         self.step += 1
-        return self.k if self.step % (self.on + self.off) < self.on else 0
+        return (self.k if self.step % (self.on + self.off) < self.on else 0), 0
 
-    def record(self, *args) -> None:
+    def record(self, *args, **kwargs) -> None:
         pass
 
     def estimated_speedup(self) -> float:

@@ -59,3 +59,45 @@ def test_seeded_sampling_equals_plain(looping_llama_dir):
 def test_config_errors(extra, match):
     with pytest.raises(ValueError, match=match):
         SpeculativeConfig(num_speculative_tokens=3, **extra)
+
+
+class _Modes:
+    """A controller stub: always k drafts, in mode 1 (lookup only) but every ``every``-th step,
+    which is mode 0 (lookup, then the drafter)."""
+
+    def __init__(self, k: int, every: int) -> None:
+        self.k, self.every, self.step = k, every, 0
+
+    def choose(self, batch_size):
+        self.step += 1
+        return self.k, 0 if self.step % self.every == 0 else 1
+
+    def record(self, *args, **kwargs):
+        pass
+
+    def estimated_speedup(self):
+        return 0.0
+
+
+def test_lookup_only_mode_leaves_the_drafter_out_but_keeps_its_context(looping_llama_dir, plain_outputs):
+    """Mode 1 (the adaptive controller's cheaper arm): prompt lookup drafts and the drafter
+    drafts for nobody, yet it records every step's features, so the chains it drafts in the
+    mode-0 steps between match a dense drafter over recomputed features. Output equals plain
+    decoding."""
+    llm = lookup_first_llm(looping_llama_dir)
+    runner = llm.engine.runner
+    proposer = runner.spec.proposer
+    assert len(proposer.modes) == 2
+    proposer.drafter = checker = CheckingProposer(proposer.drafter, runner)
+    runner.spec.controller = _Modes(3, every=4)
+    assert run(llm, PROMPTS, n=40) == plain_outputs
+    assert proposer.drafts_by["lookup"] > 10 and runner.spec.stats.cheaper_mode_steps > 20
+    assert 0 < proposer.drafts_by["drafter"] and checker.checked > 10
+    runner.spec.controller = _Modes(3, every=10**9)       # mode 1 only
+    proposer.reset_counts()
+    recorded = []   # rows of features written to the drafter's context (the tiny drafter's
+    real_record = checker.record   # chains barely depend on it, so count them as well)
+    checker.record = lambda f: recorded.append(sum(f.counts)) or real_record(f)
+    assert run(llm, PROMPTS, n=40) == plain_outputs
+    assert proposer.drafts_by["lookup"] > 10 and proposer.drafts_by["drafter"] == 0
+    assert sum(recorded) + checker.pending.rows >= sum(map(len, plain_outputs))

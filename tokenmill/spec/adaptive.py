@@ -14,6 +14,8 @@ their noise differs:
   reached j: d_j = P(the request got a j-th draft) (prompt lookup may find fewer, or none) and
   a_j = P(draft j accepted | drafts 1..j-1 were). E[tokens | k] = 1 + sum_{i<=k} d_i
   prod_{j<=i} a_j. Every step of k = 3 also teaches k = 1 and 2.
+A proposer with ``modes`` (prompt lookup with or without its drafter) doubles the arms: (mode,
+k), each mode with its own counts, k = 0 shared.
 The best arm is played; the others are re-measured now and then, with an interval that
 doubles each time an arm loses (so a bad k costs a vanishing share of steps, which is what
 keeps speculation within a few percent of no speculation when it does not pay).
@@ -96,16 +98,16 @@ class _Acceptance:
 
 
 class FixedK:
-    """Always k (adaptive off)."""
+    """Always k, with the proposer as built (adaptive off)."""
 
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def choose(self, batch_size: int) -> int:
-        return self.k
+    def choose(self, batch_size: int) -> tuple[int, int]:
+        return self.k, 0
 
     def record(self, batch_size: int, k: int, seconds: float,
-               verdicts: Sequence[tuple[int, int]] = ()) -> None:
+               verdicts: Sequence[tuple[int, int]] = (), mode: int = 0) -> None:
         pass
 
     def estimated_speedup(self) -> float:
@@ -113,86 +115,102 @@ class FixedK:
 
 
 class AdaptiveK:
+    """Arms are (mode, k): k drafts from the proposer's mode (0: as built; a proposer with
+    ``modes`` offers cheaper ones, e.g. prompt lookup without its drafter). k = 0 is one arm,
+    mode 0. Each mode has its own acceptance counts: its drafts come from elsewhere."""
     # per-record decay of an arm's time sums and of the acceptance counts: time follows drift
     # within a few steps; acceptance, the noisy half, keeps the last ~500 steps' requests
     TIME_DECAY = 0.8
     ACCEPT_DECAY = 1 - 1 / 512
 
-    def __init__(self, k_max: int, warmup: int = 2, max_interval: int = 1024) -> None:
-        self.k_max = k_max
+    def __init__(self, k_max: int, modes: int = 1, warmup: int = 2, max_interval: int = 1024) -> None:
+        self.k_max, self.modes = k_max, modes
         self.arms_k = sorted({0, 1, 2, 4, k_max} & set(range(k_max + 1)))
         self.warmup, self.max_interval = warmup, max_interval
-        self.arms: dict[tuple[int, int], _Arm] = {}
-        self.acceptance: dict[int, _Acceptance] = {}
+        self.arms: dict[tuple[int, int, int], _Arm] = {}       # (bucket, mode, k)
+        self.acceptance: dict[tuple[int, int], _Acceptance] = {}  # (bucket, mode)
         self.step = 0
         self._last_bucket = 1
 
-    def _arm(self, bucket: int, k: int) -> _Arm:
-        return self.arms.setdefault((bucket, k), _Arm())
+    def _arm(self, bucket: int, key: tuple[int, int]) -> _Arm:
+        return self.arms.setdefault((bucket, *key), _Arm())
 
-    def _accept(self, bucket: int) -> _Acceptance:
-        return self.acceptance.setdefault(bucket, _Acceptance.empty(self.k_max))
+    def _accept(self, bucket: int, mode: int) -> _Acceptance:
+        return self.acceptance.setdefault((bucket, mode), _Acceptance.empty(self.k_max))
 
-    def _best(self, bucket: int) -> int:
-        return max(self.arms_k, key=lambda k: self._arm(bucket, k).rate)
+    def _keys(self) -> list[tuple[int, int]]:
+        return [(0, 0)] + [(m, k) for m in range(self.modes) for k in self.arms_k if k > 0]
 
-    def _measured(self, bucket: int, k: int) -> bool:
-        return self._arm(bucket, k).count >= self.warmup and (k == 0 or self._accept(bucket).known(1))
+    def _best(self, bucket: int) -> tuple[int, int]:
+        """(mode, k) of the best arm."""
+        return max(self._keys(), key=lambda key: self._arm(bucket, key).rate)
 
-    def _eligible(self, bucket: int) -> list[int]:
-        """Arms worth measuring: k = 0, 1, then each larger k only while the next smaller one
-        came within 10% of the best so far. A large k costs most when speculation does not
-        pay, so it is never tried blindly (that would spend the 5% budget on exploration)."""
-        out = [self.arms_k[0]]
-        for prev, k in zip(self.arms_k, self.arms_k[1:]):
-            arm = self._arm(bucket, prev)
-            best = max(self._arm(bucket, j).rate for j in out)
-            if prev > 0 and (not self._measured(bucket, prev) or arm.rate < 0.9 * best):
-                break
-            out.append(k)
+    def _measured(self, bucket: int, key: tuple[int, int]) -> bool:
+        mode, k = key
+        return self._arm(bucket, key).count >= self.warmup and \
+            (k == 0 or self._accept(bucket, mode).known(1))
+
+    def _eligible(self, bucket: int) -> list[tuple[int, int]]:
+        """Arms worth measuring: k = 0, k = 1 of each mode, then in each mode each larger k
+        only while the next smaller one came within 10% of the best so far. A large k costs
+        most when speculation does not pay, so it is never tried blindly (that would spend the
+        5% budget on exploration)."""
+        out = [(0, 0)]
+        for mode in range(self.modes):
+            for prev, k in zip(self.arms_k[1:], self.arms_k[2:]):
+                out.append((mode, prev))
+                best = max(self._arm(bucket, key).rate for key in out)
+                arm = self._arm(bucket, (mode, prev))
+                if not self._measured(bucket, (mode, prev)) or arm.rate < 0.9 * best:
+                    break
+            else:
+                if len(self.arms_k) > 1:
+                    out.append((mode, self.arms_k[-1]))
         return out
 
-    def choose(self, batch_size: int) -> int:
+    def choose(self, batch_size: int) -> tuple[int, int]:
+        """(k, mode) for the next step."""
         self.step += 1
         bucket = self._last_bucket = bucket_of(batch_size)
         eligible = self._eligible(bucket)
-        for k in eligible:                          # measure eligible arms a few times first
-            if not self._measured(bucket, k):
-                return k
-        best = max(eligible, key=lambda k: self._arm(bucket, k).rate)
-        for k in eligible:                          # then re-measure losers, rarely
-            arm = self._arm(bucket, k)
-            if k != best and self.step - arm.last_step >= arm.interval:
+        for key in eligible:                        # measure eligible arms a few times first
+            if not self._measured(bucket, key):
+                return key[1], key[0]
+        best = max(eligible, key=lambda key: self._arm(bucket, key).rate)
+        for key in eligible:                        # then re-measure losers, rarely
+            arm = self._arm(bucket, key)
+            if key != best and self.step - arm.last_step >= arm.interval:
                 arm.last_step = self.step
-                return k
-        return best
+                return key[1], key[0]
+        return best[1], best[0]
 
     def record(self, batch_size: int, k: int, seconds: float,
-               verdicts: Sequence[tuple[int, int]] = ()) -> None:
-        """One step of arm k: ``batch_size`` requests in ``seconds`` (drafting included);
-        ``verdicts``: (drafts verified, drafts accepted) of each request of a k > 0 step."""
-        if seconds <= 0 or k not in self.arms_k or batch_size <= 0:
+               verdicts: Sequence[tuple[int, int]] = (), mode: int = 0) -> None:
+        """One step of arm (mode, k): ``batch_size`` requests in ``seconds`` (drafting
+        included); ``verdicts``: (drafts verified, drafts accepted) of each request of a k > 0
+        step."""
+        if seconds <= 0 or k not in self.arms_k or batch_size <= 0 or not 0 <= mode < self.modes:
             return
+        key = (mode if k else 0, k)
         bucket = bucket_of(batch_size)
-        arm = self._arm(bucket, k)
+        arm = self._arm(bucket, key)
         arm.seconds = self.TIME_DECAY * arm.seconds + seconds
         arm.rows = self.TIME_DECAY * arm.rows + batch_size
         arm.count += 1
         arm.last_step = self.step
-        acceptance = self._accept(bucket)
         if k > 0 and verdicts:
-            acceptance.add(k, verdicts, self.ACCEPT_DECAY)
-        for j in self.arms_k:                       # new counts move every arm's prediction
-            other = self._arm(bucket, j)
+            self._accept(bucket, mode).add(k, verdicts, self.ACCEPT_DECAY)
+        for other_key in self._keys():              # new counts move every arm's prediction
+            other = self._arm(bucket, other_key)
             if other.seconds > 0:
-                other.rate = acceptance.expected_tokens(j) * other.rows / other.seconds
+                tokens = self._accept(bucket, other_key[0]).expected_tokens(other_key[1])
+                other.rate = tokens * other.rows / other.seconds
         if arm.count > self.warmup:
-            best = self._best(bucket)
             # A loser backs off (doubling), a winner is watched closely again.
-            arm.interval = 8 if k == best else min(2 * arm.interval, self.max_interval)
+            arm.interval = 8 if key == self._best(bucket) else min(2 * arm.interval, self.max_interval)
 
     def estimated_speedup(self) -> float:
         """Goodput of the best arm over no speculation, for the latest batch-size bucket."""
-        base = self._arm(self._last_bucket, 0).rate
+        base = self._arm(self._last_bucket, (0, 0)).rate
         best = self._arm(self._last_bucket, self._best(self._last_bucket)).rate
         return best / base if base > 0 else 0.0

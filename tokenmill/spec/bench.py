@@ -17,7 +17,8 @@ acceptance rate, per-position acceptance (accepted at position j / drafts), the 
 estimated speedup (tokenmill.spec.metrics) for comparison with the measured ratio, the k the
 adaptive controller chose, the share of outputs identical to no speculation (greedy at
 temperature 0; per-request seeds at temperature > 0, where speculation is exact too), and for
-ngram_<method> rows the share of drafted-for requests that prompt lookup served.
+ngram_<method> rows the share of drafted-for requests that prompt lookup served and how many
+steps the adaptive controller ran prompt lookup without the drafter (lookup_only_steps).
 """
 from __future__ import annotations
 
@@ -242,7 +243,8 @@ def _row_stats(dec, rounds: list[float], ratios: list[float], same: float) -> di
             "accepted_per_position": per_pos, "est_speedup": round(s.estimated_speedup, 3),
             "identical": round(same, 3),
             "k_chosen": " ".join(f"{k}:{n}" for k, n in sorted(s.k_chosen.items())),
-            "lookup_share": _lookup_share(dec.proposer)}
+            "lookup_share": _lookup_share(dec.proposer),
+            "lookup_only_steps": s.cheaper_mode_steps if hasattr(dec.proposer, "modes") else None}
 
 
 def _lookup_share(proposer) -> Optional[float]:

@@ -36,11 +36,12 @@ class SpecDecoder:
         self.k_max = k_max or config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.block_size = block_size
-        self.controller = AdaptiveK(self.k_max) if config.adaptive else FixedK(self.k_max)
+        modes = len(getattr(proposer, "modes", ("as built",)))
+        self.controller = AdaptiveK(self.k_max, modes) if config.adaptive else FixedK(self.k_max)
         self.stats = SpecDecodingStats(self.k_max)
         self.plain_cost = PlainStepCost()
-        # (batch size, k, draft seconds, ids of the requests drafted for)
-        self._pending: Optional[tuple[int, int, float, frozenset]] = None
+        # (batch size, k, proposer mode, draft seconds, ids of the requests drafted for)
+        self._pending: Optional[tuple[int, int, int, float, frozenset]] = None
         # the last decode-only step, its timing not recorded yet (_StepTiming), and when the
         # runner left it (after drafting for the next one)
         self._unrecorded: Optional[_StepTiming] = None
@@ -84,24 +85,26 @@ class SpecDecoder:
                 if r not in out.errors and out.sampled_token_ids[index[r]]]
         if features is not None:
             self._drafted |= set(features.req_ids)
-        k = self.controller.choose(len(rows)) if rows else 0
+        k, mode = self.controller.choose(len(rows)) if rows else (0, 0)
         if k > 0 and self.plain_cost.wants_sample(len(rows)):
             k = 0       # a plain step now and then measures c(B) (for the estimated speedup)
         if rows:
             self.stats.k_chosen[k] = self.stats.k_chosen.get(k, 0) + 1
+            if k and mode:
+                self.stats.cheaper_mode_steps += 1
         if k == 0:
-            self._pending = (len(rows), 0, 0.0, frozenset()) if rows else None
+            self._pending = (len(rows), 0, 0, 0.0, frozenset()) if rows else None
             if features is not None:   # no drafts, but the proposer's context must follow
                 self._timed_propose(DraftInput([], [], None, features))
             return {}
         states = [runner.states[inp.sample_req_ids[b]] for b in rows]
         caps = [self._cap(s, k) for s in states]
-        drafts, seconds = self._timed_propose(DraftInput(states, caps, hidden[rows], features))
+        drafts, seconds = self._timed_propose(DraftInput(states, caps, hidden[rows], features, mode=mode))
         ids = frozenset(s.req_id for s in states)
         self._drafted |= ids
         for req_id in ids:
             self.stats.request(req_id).draft_time += seconds
-        self._pending = (len(rows), k, seconds, ids)
+        self._pending = (len(rows), k, mode, seconds, ids)
         return {s.req_id: d for s, d in zip(states, drafts) if d}
 
     def _timed_propose(self, draft_input: DraftInput) -> tuple[list[list[int]], float]:
@@ -164,13 +167,13 @@ class SpecDecoder:
             self.plain_cost.record(batch_size, seconds)
         if step.pending is None:
             return
-        batch, k, draft_seconds, drafted = step.pending
+        batch, k, mode, draft_seconds, drafted = step.pending
         self._estimate(step, seconds, draft_seconds, drafted)
         # Every request of a step that chose k, drafts or not: prompt lookup finding nothing
         # is part of what choosing k yields (the controller counts how often drafts come).
         verdicts = [(step.drafts.get(r, 0), step.tokens[r] - 1)
                     for r in step.sample_req_ids if step.tokens.get(r)]
-        self.controller.record(batch, k, seconds + draft_seconds, verdicts)
+        self.controller.record(batch, k, seconds + draft_seconds, verdicts, mode)
 
     def _estimate(self, step: "_StepTiming", seconds: float, draft_seconds: float,
                   drafted: frozenset) -> None:
@@ -213,7 +216,7 @@ class _StepTiming:
     drafts: dict              # req_id -> drafts verified (absent: none)
     verified: bool            # some request had drafts
     seconds: float            # the runner's part: t_start to after_step
-    pending: Optional[tuple]  # (batch, k, draft seconds, drafted ids) chosen for this step
+    pending: Optional[tuple]  # (batch, k, mode, draft seconds, drafted ids) chosen for this step
     stats: SpecDecodingStats  # the counters then (reset_stats may have replaced them since)
     records: dict             # req_id -> its RequestSpecStats then
 

@@ -50,6 +50,7 @@ class DraftInput:
     hidden: Optional[torch.Tensor] = None            # [len(states), hidden]
     features: Optional[StepFeatures] = None
     extra: dict = field(default_factory=dict)        # reserved for proposer-specific inputs
+    mode: int = 0      # index into the proposer's ``modes`` (0: as built), chosen by AdaptiveK
 
 
 class AuxCapture:

@@ -119,6 +119,7 @@ class SpecDecodingStats:
     plain_equiv_time: float = 0.0      # sum of tokens x c(B) / B over measured steps
     measured_time: float = 0.0         # sum of step + drafting seconds over the same steps
     k_chosen: dict = field(default_factory=dict)   # k -> steps it was chosen for
+    cheaper_mode_steps: int = 0        # of the k > 0 steps: those in a proposer's cheaper mode
     live: dict = field(default_factory=dict)       # req_id -> RequestSpecStats, not finished
     finished: deque = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
     num_finished: int = 0
@@ -213,6 +214,7 @@ class SpecDecodingStats:
             "spec_draft_time_s": self.draft_time,
             "spec_verify_time_s": self.verify_time,
             "spec_k_chosen": dict(sorted(self.k_chosen.items())),
+            "spec_cheaper_mode_steps": self.cheaper_mode_steps,
             "spec_estimated_speedup": self.estimated_speedup,
             "spec_adaptive_predicted_speedup": predicted_speedup,
         }
