@@ -122,6 +122,7 @@ class AdaptiveK:
     # within a few steps; acceptance, the noisy half, keeps the last ~500 steps' requests
     TIME_DECAY = 0.8
     ACCEPT_DECAY = 1 - 1 / 512
+    SPIKE = 1.5     # a step's seconds count up to this multiple of its arm's estimate
 
     def __init__(self, k_max: int, modes: int = 1, warmup: int = 2, max_interval: int = 1024) -> None:
         self.k_max, self.modes = k_max, modes
@@ -194,6 +195,11 @@ class AdaptiveK:
         key = (mode if k else 0, k)
         bucket = bucket_of(batch_size)
         arm = self._arm(bucket, key)
+        if arm.count >= self.warmup:
+            # a spike (a collection, the drafter writing 256 queued rows, the OS) is not what
+            # this arm costs: left whole it would sink the arm until its next re-measurement,
+            # which may be a thousand steps away
+            seconds = min(seconds, self.SPIKE * batch_size * arm.seconds / arm.rows)
         arm.seconds = self.TIME_DECAY * arm.seconds + seconds
         arm.rows = self.TIME_DECAY * arm.rows + batch_size
         arm.count += 1
