@@ -195,7 +195,7 @@ class AdaptiveK:
         key = (mode if k else 0, k)
         bucket = bucket_of(batch_size)
         arm = self._arm(bucket, key)
-        if arm.count >= self.warmup:
+        if arm.count >= self.warmup and arm.rows > 0:
             # a spike (a collection, the drafter writing 256 queued rows, the OS) is not what
             # this arm costs: left whole it would sink the arm until its next re-measurement,
             # which may be a thousand steps away
