@@ -136,6 +136,54 @@ def test_unknown_gemm_dtype_is_a_clear_error():
 
 
 @needs_bf16
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 17, 40, 64])
+@pytest.mark.parametrize("n,k", [(16, 2), (48, 96), (80, 34)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_bf16_tile_kernel_equals_its_reference(rows, n, k, bias):
+    """tm_linear_bf16: x and W rounded to bf16, one float32 chain per output over the k pairs
+    (odd product, then even), bit for bit; one and two 16-output tiles per thread block."""
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    got = cpu_ops.linear_bf16(x, cpu_ops.bf16_tiles(w), b)
+    assert torch.equal(got, cpu_ops.linear_bf16_reference(x, w, b))
+    # the rounding of x and W is really there, and the sums are float32, not bf16
+    assert (got - F.linear(x, w, b)).abs().max() > 1e-4
+    assert not torch.equal(got, got.bfloat16().float())
+
+
+@needs_bf16
+def test_bf16_tile_rows_do_not_depend_on_the_batch():
+    """A row's output is the same alone and among 63 others (the C stack's batches)."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(64, 96, generator=g), torch.randn(320, 96, generator=g)
+    tiles = cpu_ops.bf16_tiles(w)
+    batch = cpu_ops.linear_bf16(x, tiles)
+    for i in (0, 9, 31, 63):
+        assert torch.equal(cpu_ops.linear_bf16(x[i:i + 1], tiles), batch[i:i + 1])
+    assert cpu_ops.bf16_tiles(torch.randn(300, 96)) is None   # N % 16: no tiles
+
+
+@needs_bf16
+def test_bf16_mode_takes_the_tiles_from_17_to_64_rows():
+    """A layer whose outputs tile (N % 16 == 0): 17-64 rows give tm_linear_bf16's float32
+    sums, 65+ oneDNN's bf16-rounded outputs, 16 or fewer the float32 kernel."""
+    layer = _layer(n=320)
+    prepacked.prepack_linears(layer, torch.bfloat16)
+    tiles = prepacked.bf16_tiles(layer)
+    assert tiles is not None and prepacked.c_kernel_rows(layer) == cpu_ops.LINEAR_MAX_ROWS
+    for rows in (17, 64):
+        x = torch.randn(rows, 96)
+        assert torch.equal(layer(x), cpu_ops.linear_bf16(x, tiles, layer.bias))
+    x = torch.randn(65, 96)
+    assert not torch.equal(layer(x), cpu_ops.linear_bf16_reference(x, layer.weight, layer.bias))
+    x = torch.randn(16, 96)
+    assert torch.equal(layer(x), cpu_ops.linear(x, layer.weight, layer.bias))
+    layer.weight.data = layer.weight.data.clone()   # replaced after packing: no stale tiles
+    assert prepacked.bf16_tiles(layer) is None
+
+
+@needs_bf16
 def test_engine_bf16_gemms_stay_close_to_float32(tiny_llama_dir):
     """Prefill (many rows) takes the bf16 copy, decode steps the float32 kernels: logprobs of
     the same greedy tokens stay within bf16's rounding (measured up to 0.09 nats on this
@@ -160,7 +208,7 @@ def test_engine_bf16_gemms_stay_close_to_float32(tiny_llama_dir):
 @needs_bf16
 def test_bf16_copy_takes_batched_steps_past_sixteen_rows(monkeypatch, tiny_llama_dir):
     """With a bf16 copy, up to 16 rows stay on the float32 kernel and more take the copy
-    (the float kernel alone would take up to LINEAR_MAX_ROWS); the C stack stops there too."""
+    (the float kernel alone would take up to LINEAR_MAX_ROWS)."""
     from tokenmill import LLM
     from tokenmill.runner import fused_stack
     layer = _layer()
@@ -172,7 +220,8 @@ def test_bf16_copy_takes_batched_steps_past_sixteen_rows(monkeypatch, tiny_llama
     layer(torch.randn(prepacked.BF16_FLOAT_ROWS, 96))
     layer(torch.randn(prepacked.BF16_FLOAT_ROWS + 1, 96))
     assert calls == [prepacked.BF16_FLOAT_ROWS + 1] or not cpu_ops.available()
-    for dtype, rows in (("bfloat16", prepacked.BF16_FLOAT_ROWS), ("float32", cpu_ops.LINEAR_MAX_ROWS)):
+    # the tiny model's outputs tile (N % 16 == 0): bf16 mode's 17-64 rows stay in the C stack
+    for dtype, rows in (("bfloat16", cpu_ops.LINEAR_MAX_ROWS), ("float32", cpu_ops.LINEAR_MAX_ROWS)):
         model = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, cpu_gemm_dtype=dtype).engine.model
         if cpu_ops.available():
             assert fused_stack.stack_plan(model).max_rows("fp32") == rows

@@ -26,7 +26,7 @@ def model_dir(request, tmp_path_factory):
 
 
 def _generate(model_dir, prompts, fused: bool, monkeypatch, calls: list, quantization=None,
-              kv_cache_dtype="auto", activations="fp32"):
+              kv_cache_dtype="auto", activations="fp32", gemm_dtype="float32"):
     real = llama_fused.forward   # the runner's per-step choice of the C stack
 
     def counting(*args):
@@ -35,7 +35,8 @@ def _generate(model_dir, prompts, fused: bool, monkeypatch, calls: list, quantiz
         return out
     monkeypatch.setattr(llama_fused, "forward", counting)
     llm = LLM(model=model_dir, skip_tokenizer_init=True, block_size=4, enable_prefix_caching=False,
-              quantization=quantization, kv_cache_dtype=kv_cache_dtype, quant_activations=activations)
+              quantization=quantization, kv_cache_dtype=kv_cache_dtype, quant_activations=activations,
+              cpu_gemm_dtype=gemm_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, ignore_eos=True)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
@@ -71,6 +72,26 @@ def test_fused_stack_is_bit_identical_to_the_modules(model_dir, monkeypatch, tmp
     assert any(used), "the fused path never ran on decode steps"
     if max(map(len, prompts)) > 8:   # runs longer than the short-run kernel's: SDPA modules
         assert not all(used), "long prefill steps must take the module path"
+    for a, b in zip(fused, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: v.logprob for t, v in la.items()} == {t: v.logprob for t, v in lb.items()}
+
+
+@pytest.mark.skipif(not native.has_avx512_bf16(), reason="CPU without AVX-512 BF16")
+@pytest.mark.parametrize("batch", [3, 24])
+def test_fused_stack_in_bf16_mode_is_bit_identical_to_the_modules(model_dir, monkeypatch, batch):
+    """cpu_gemm_dtype bfloat16: steps of 17-64 rows (24 here) take the tiled bf16 kernel in
+    the C stack and in the modules alike; fewer stay float32."""
+    from tokenmill.layers import prepacked
+    prompts = (PROMPTS * 8)[:batch]
+    used: list = []
+    fused = _generate(model_dir, prompts, True, monkeypatch, used, gemm_dtype="bfloat16")
+    plain = _generate(model_dir, prompts, False, monkeypatch, [], gemm_dtype="bfloat16")
+    assert any(used), "the fused path never ran on decode steps"
+    model = LLM(model=model_dir, skip_tokenizer_init=True, cpu_gemm_dtype="bfloat16").engine.model
+    assert prepacked.bf16_tiles(model.model.layers[0].mlp.down_proj) is not None
+    assert llama_fused.stack_plan(model).max_rows("fp32") == cpu_ops.LINEAR_MAX_ROWS
     for a, b in zip(fused, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):

@@ -2,6 +2,7 @@
  * can call the per-op kernels directly). Built and loaded by tokenmill/layers/native.py. */
 #include "cpu_ops.c"
 #include "cpu_gemm.c"
+#include "cpu_gemm_bf16.c"
 #include "cpu_attention.c"
 #include "cpu_prefill.c"
 #include "quant/qmm.c"

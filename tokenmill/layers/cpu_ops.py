@@ -93,6 +93,54 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     return y
 
 
+# -- bf16 compute (cpu_gemm_dtype="bfloat16") at decode-sized row counts -----------------------
+# On Zen 4 (2 threads, W from memory) oneDNN's bf16 GEMM ran 290-360 GFLOP/s at 32-64 rows
+# against ~190 for the float32 kernels; tm_linear_bf16 (cpu_gemm_bf16.c) does it in C so that
+# the fused decode stack can take bf16-mode batches too, with the same bits as the modules.
+
+
+def bf16_tiles(weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """W [N, K] float32 -> tm_linear_bf16's bf16 copy: tiles of 16 outputs, each [K / 2][16]
+    pairs of consecutive k (N % 16 == 0, K % 2 == 0; None otherwise)."""
+    n, k = weight.shape
+    if n % 16 or k % 2:
+        return None
+    w = weight.detach().to(torch.bfloat16).view(n // 16, 16, k // 2, 2)
+    return w.permute(0, 2, 1, 3).contiguous()
+
+
+def linear_bf16(x: torch.Tensor, tiles: torch.Tensor, bias: Optional[torch.Tensor] = None
+                ) -> Optional[torch.Tensor]:
+    """x [M, K] float32 (M <= LINEAR_MAX_ROWS) @ W^T (+ b) with x and W rounded to bf16 and
+    float32 sums (bf16_tiles' copy of W); None where it does not apply. Only CPUs with
+    AVX-512 BF16 run it (prepacked.check_gemm_dtype refuses the mode elsewhere)."""
+    if not (available() and _ok(x) and x.is_contiguous() and x.dim() == 2
+            and tiles.dim() == 4 and x.shape[1] == 2 * tiles.shape[1]):
+        return None
+    m = x.shape[0]
+    if m == 0 or m > LINEAR_MAX_ROWS or (bias is not None and not (_ok(bias) and bias.is_contiguous())):
+        return None
+    n = tiles.shape[0] * 16
+    y = torch.empty(m, n, dtype=torch.float32)
+    failed = native.library().tm_linear_bf16(x.data_ptr(), m, x.shape[1], tiles.data_ptr(), n,
+                                             bias.data_ptr() if bias is not None else None,
+                                             y.data_ptr(), torch.get_num_threads())
+    return None if failed else y
+
+
+def linear_bf16_reference(x: torch.Tensor, weight: torch.Tensor,
+                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """tm_linear_bf16's arithmetic in torch: x and W rounded to bf16 (products of two bf16
+    values are exact in float32), one float32 chain per output over the k pairs in order,
+    adding the odd product, then the even one, as vdpbf16ps does; then + bias."""
+    xb, wb = x.to(torch.bfloat16).float(), weight.to(torch.bfloat16).float()
+    acc = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32)
+    for p in range(x.shape[1] // 2):
+        acc = acc + xb[:, 2 * p + 1, None] * wb[None, :, 2 * p + 1]
+        acc = acc + xb[:, 2 * p, None] * wb[None, :, 2 * p]
+    return acc if bias is None else acc + bias
+
+
 # -- 16-bit weights, float32 activations --------------------------------------------------
 
 

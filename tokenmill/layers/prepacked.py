@@ -9,7 +9,9 @@ ShareGPT prompts, 64 tokens each, same process A/B): 88-93 -> 110-114 tok/s.
 
 The copy costs the float weights' memory once more (``LLM(cpu_weight_prepack=False)`` /
 ``--no-cpu-weight-prepack`` turns it off). ``cpu_gemm_dtype="bfloat16"`` keeps it in bf16
-instead (half that memory): activations are rounded to bf16 for these matmuls, oneDNN
+instead (half that memory), plus a tiled bf16 copy for steps of 17-64 rows
+(cpu_ops.linear_bf16: float32 sums and outputs, the fused decode stack's kernel too):
+activations are rounded to bf16 for these matmuls; oneDNN (65+ rows)
 accumulates in fp32 and rounds the result to bf16 (its output has the input's dtype); only CPUs with AVX-512 BF16 multiply bf16 natively, so other CPUs are
 refused (bf16 is emulated there, tens of times slower than fp32). The small-row decode path keeps reading the plain
 weight (its kernel streams rows; cpu_ops.linear). A layer whose weight tensor is replaced
@@ -28,9 +30,9 @@ PACK_ROWS_HINT = 64      # the row count oneDNN picks its blocked layout for; me
 #                          from 8 to 512 rows (above)
 
 
-# Where a layer's copy is bf16 (cpu_gemm_dtype), steps of more rows than this take it; up to
-# this many stay float32 on the small-M kernel (decode-sized), as before the blocked float
-# kernel took up to cpu_ops.LINEAR_MAX_ROWS: the bf16 mode is there for batched steps.
+# Where a layer's copy is bf16 (cpu_gemm_dtype), steps of more rows than this compute in bf16;
+# up to this many stay float32 on the small-M kernel (decode-sized; they read W from memory,
+# so bf16 arithmetic would save nothing there): the bf16 mode is there for batched steps.
 BF16_FLOAT_ROWS = 16
 
 
@@ -41,6 +43,19 @@ def float_kernel_rows(layer: nn.Module) -> int:
     if entry is not None and entry[2] is torch.bfloat16:
         return BF16_FLOAT_ROWS
     return cpu_ops.LINEAR_MAX_ROWS
+
+
+def bf16_tiles(layer: nn.Module) -> Optional[torch.Tensor]:
+    """The layer's tiled bf16 copy (cpu_ops.bf16_tiles) that steps of BF16_FLOAT_ROWS + 1 ..
+    cpu_ops.LINEAR_MAX_ROWS rows take in bf16 mode, or None."""
+    entry = getattr(layer, "prepacked", None)
+    return entry[3] if entry is not None and entry[1] == layer.weight.data_ptr() else None
+
+
+def c_kernel_rows(layer: nn.Module) -> int:
+    """The most rows of this layer's matmul that a C kernel takes (the float32 one, then in
+    bf16 mode the tiled bf16 one): what the fused decode stack can run for it."""
+    return cpu_ops.LINEAR_MAX_ROWS if bf16_tiles(layer) is not None else float_kernel_rows(layer)
 
 
 def available() -> bool:
@@ -79,8 +94,9 @@ def prepack_linears(model: nn.Module, gemm_dtype: torch.dtype = torch.float32) -
             continue
         packed = torch.ops.mkldnn._reorder_linear_weight(
             weight.detach().contiguous().to(gemm_dtype), PACK_ROWS_HINT)
-        module.prepacked = (packed, weight.data_ptr(), gemm_dtype)
-        added += weight.numel() * gemm_dtype.itemsize
+        tiles = cpu_ops.bf16_tiles(weight) if gemm_dtype is torch.bfloat16 else None
+        module.prepacked = (packed, weight.data_ptr(), gemm_dtype, tiles)
+        added += weight.numel() * gemm_dtype.itemsize + (tiles.numel() * 2 if tiles is not None else 0)
     return added
 
 
@@ -94,7 +110,11 @@ def linear(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> O
             or x.dim() != 2 or x.dtype is not torch.float32 or x.is_cuda
             or (bias is not None and bias.dtype is not torch.float32)):
         return None
-    packed, _, gemm_dtype = entry
+    packed, _, gemm_dtype, tiles = entry
+    if tiles is not None and x.shape[0] <= cpu_ops.LINEAR_MAX_ROWS:   # the C stack's bits
+        y = cpu_ops.linear_bf16(x.contiguous(), tiles, bias)
+        if y is not None:
+            return y
     if gemm_dtype is torch.float32:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     y = torch.ops.mkldnn._linear_pointwise(x.to(gemm_dtype).contiguous(), packed, None, "none", [], "")

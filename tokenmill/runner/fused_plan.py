@@ -115,7 +115,9 @@ def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
         w = getattr(lin, "weight", None)
         if not (is_fp32_cpu(w) and w.is_contiguous()):
             return None
-        return _one_part([-1, w.data_ptr(), 0, 0, 0, w.shape[0]]), w
+        tiles = prepacked.bf16_tiles(lin)   # bf16 mode: fields 7, 8 = its tiles, rows above which they serve
+        bf16 = [0, tiles.data_ptr(), prepacked.BF16_FLOAT_ROWS] if tiles is not None else []
+        return _one_part([-1, w.data_ptr(), 0, 0, 0, w.shape[0]] + bf16), w
     if type(method) is HalfWeightMethod:   # 16-bit weight: kind -3, its value type in field 2
         w = getattr(lin, "weight", None)
         if not (isinstance(w, torch.Tensor) and w.dtype in cpu_ops.HALF_WEIGHT_CODES
@@ -214,7 +216,11 @@ class StackPlan:
         # parts whose values live only in their tiled copy: the C loop reads them at q8 steps only
         parts = [p for lins in layer_linears for _, _, pin in lins if isinstance(pin, list) for p in pin]
         self.tiled_only = any(p.qweight is None for p in parts)
-        self.float_rows = min([prepacked.float_kernel_rows(lin) for lins in layer_linears
+        # bf16 mode's tiled copies are pinned too: they live in the module's prepacked entry
+        self.pins += [(lin.__dict__, "prepacked", lin.__dict__["prepacked"])
+                      for lins in layer_linears for lin, _, pin in lins
+                      if not isinstance(pin, list) and prepacked.bf16_tiles(lin) is not None]
+        self.float_rows = min([prepacked.c_kernel_rows(lin) for lins in layer_linears
                                for lin, _, pin in lins if not isinstance(pin, list)],
                               default=cpu_ops.LINEAR_MAX_ROWS)
         # q8 steps take every part's tiled copy (tm_qgemm_q8: any row count)
