@@ -98,7 +98,7 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
             torch.get_num_threads(), None if aux_out is None else aux_out.data_ptr(),
             None if aux_cols is None else aux_cols.data_ptr(), 0 if aux is None else len(aux.layers))
         if failed:
-            raise MemoryError("fused decode: the " + ("attention" if failed == 1 else "quantized matmul")
+            raise MemoryError("fused decode: the " + ("attention" if failed == 1 else "quantized or bf16 matmul")
                               + " kernel could not allocate its buffer")
 
     if plan.moe_ffns is None:
