@@ -94,8 +94,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
 
 
 # -- bf16 compute (cpu_gemm_dtype="bfloat16") at decode-sized row counts -----------------------
-# On Zen 4 (2 threads, W from memory) oneDNN's bf16 GEMM ran 290-360 GFLOP/s at 32-64 rows
-# against ~190 for the float32 kernels; tm_linear_bf16 (cpu_gemm_bf16.c) does it in C so that
+# On Zen 4 (2 threads, W from memory) oneDNN's bf16 GEMM ran 286-393 GFLOP/s at 32-64 rows
+# against 186-210 for the float32 kernels; tm_linear_bf16 (cpu_gemm_bf16.c) does it in C so that
 # the fused decode stack can take bf16-mode batches too, with the same bits as the modules.
 
 
@@ -105,7 +105,7 @@ def bf16_tiles(weight: torch.Tensor) -> Optional[torch.Tensor]:
     n, k = weight.shape
     if n % 16 or k % 2:
         return None
-    w = weight.detach().to(torch.bfloat16).view(n // 16, 16, k // 2, 2)
+    w = weight.detach().to(torch.bfloat16).contiguous().view(n // 16, 16, k // 2, 2)
     return w.permute(0, 2, 1, 3).contiguous()
 
 
