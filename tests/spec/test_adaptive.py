@@ -188,3 +188,22 @@ def test_a_steps_cost_includes_the_engine_time_until_the_next_step(tiny_llama_di
     seconds = llm.engine.runner.spec.plain_cost.seconds
     assert seconds and min(seconds.values()) > 0.02
     assert all(arm.rate < 1 / 0.02 * 3 for arm in llm.engine.runner.spec.controller.arms.values())
+
+
+def test_one_spike_is_clipped_and_a_second_in_a_row_counts_whole():
+    """A step far slower than its arm's estimate counts as SPIKE x the estimate (a collection,
+    the OS); a second such step in a row is the arm's cost changing and counts whole, so an
+    arm measured on cheap early steps learns its real cost within a few steps."""
+    from tokenmill.spec.adaptive import AdaptiveK, bucket_of
+    controller = AdaptiveK(2)
+    arm = controller._arm(bucket_of(1), (0, 0))
+    for _ in range(6):
+        controller.record(1, 0, 0.010)
+    per_row = arm.seconds / arm.rows
+    controller.record(1, 0, 0.100)
+    clipped = arm.seconds / arm.rows
+    assert arm.clipped and clipped < AdaptiveK.SPIKE * per_row
+    controller.record(1, 0, 0.100)
+    assert not arm.clipped and arm.seconds / arm.rows > 0.02
+    controller.record(1, 0, 0.010)   # back to normal: nothing clipped
+    assert not arm.clipped

@@ -42,6 +42,7 @@ class _Arm:
     last_step: int = -1
     interval: int = 8          # steps between re-measurements while not the best
     rate: float = 0.0          # predicted tokens / second
+    clipped: bool = False      # its last step counted as a spike (AdaptiveK.SPIKE)
 
 
 PRIOR = 4.0   # pseudo-requests behind a deeper position's rates (_Acceptance.expected_tokens)
@@ -198,8 +199,12 @@ class AdaptiveK:
         if arm.count >= self.warmup and arm.rows > 0:
             # a spike (a collection, the drafter writing 256 queued rows, the OS) is not what
             # this arm costs: left whole it would sink the arm until its next re-measurement,
-            # which may be a thousand steps away
-            seconds = min(seconds, self.SPIKE * batch_size * arm.seconds / arm.rows)
+            # which may be a thousand steps away. A second one in a row is the arm's cost
+            # changing (load, longer contexts, cheap warmup steps): that one counts whole
+            cap = self.SPIKE * batch_size * arm.seconds / arm.rows
+            arm.clipped = seconds > cap and not arm.clipped
+            if arm.clipped:
+                seconds = cap
         arm.seconds = self.TIME_DECAY * arm.seconds + seconds
         arm.rows = self.TIME_DECAY * arm.rows + batch_size
         arm.count += 1
