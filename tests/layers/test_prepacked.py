@@ -107,11 +107,13 @@ needs_bf16 = pytest.mark.skipif(not native.has_avx512_bf16(), reason="CPU withou
 @pytest.mark.parametrize("rows", [17, 64, 301])
 @pytest.mark.parametrize("bias", [True, False])
 def test_bf16_copy_computes_the_bf16_rounded_product(rows, bias):
-    """cpu_gemm_dtype bfloat16: weights and activations rounded to bf16, products summed in
-    fp32, the result rounded to bf16 (oneDNN's output has the input's dtype), bias added in
-    fp32. The reference multiplies the rounded values in float64: within one bf16 step."""
+    """cpu_gemm_dtype bfloat16 on a weight the tiles do not take (300 outputs: N % 16):
+    oneDNN's bf16 copy. Weights and activations rounded to bf16, products summed in fp32,
+    the result rounded to bf16 (oneDNN's output has the input's dtype), bias added in fp32.
+    The reference multiplies the rounded values in float64: within one bf16 step."""
     layer = _layer(bias=bias)
     assert prepacked.prepack_linears(layer, torch.bfloat16) == layer.weight.numel() * 2
+    assert layer.prepacked[0] is not None and prepacked.bf16_tiles(layer) is None
     x = torch.randn(rows, 96)
     got = prepacked.linear(layer, x, layer.bias)
     assert got.dtype is torch.float32
@@ -136,12 +138,13 @@ def test_unknown_gemm_dtype_is_a_clear_error():
 
 
 @needs_bf16
-@pytest.mark.parametrize("rows", [1, 7, 8, 9, 17, 40, 64])
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 17, 40, 64, 65, 137])
 @pytest.mark.parametrize("n,k", [(16, 2), (48, 96), (80, 34)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_bf16_tile_kernel_equals_its_reference(rows, n, k, bias):
     """tm_linear_bf16: x and W rounded to bf16, one float32 chain per output over the k pairs
-    (odd product, then even), bit for bit; one and two 16-output tiles per thread block."""
+    (odd product, then even), bit for bit; one and two 16-output tiles per thread block; one
+    64-row panel and several (65, 137 rows)."""
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
@@ -154,29 +157,35 @@ def test_bf16_tile_kernel_equals_its_reference(rows, n, k, bias):
 
 @needs_bf16
 def test_bf16_tile_rows_do_not_depend_on_the_batch():
-    """A row's output is the same alone and among 63 others (the C stack's batches)."""
+    """A row's output is the same alone and among 63 others (the C stack's batches) or 199
+    (a prefill chunk: rows in several panels)."""
     g = torch.Generator().manual_seed(1)
-    x, w = torch.randn(64, 96, generator=g), torch.randn(320, 96, generator=g)
+    x, w = torch.randn(200, 96, generator=g), torch.randn(320, 96, generator=g)
     tiles = cpu_ops.bf16_tiles(w)
-    batch = cpu_ops.linear_bf16(x, tiles)
+    batch, prefill = cpu_ops.linear_bf16(x[:64], tiles), cpu_ops.linear_bf16(x, tiles)
     for i in (0, 9, 31, 63):
         assert torch.equal(cpu_ops.linear_bf16(x[i:i + 1], tiles), batch[i:i + 1])
+        assert torch.equal(prefill[i:i + 1], batch[i:i + 1])
+    for i in (64, 127, 128, 199):
+        assert torch.equal(cpu_ops.linear_bf16(x[i:i + 1], tiles), prefill[i:i + 1])
     assert cpu_ops.bf16_tiles(torch.randn(300, 96)) is None   # N % 16: no tiles
 
 
 @needs_bf16
-def test_bf16_mode_takes_the_tiles_from_17_to_64_rows():
-    """A layer whose outputs tile (N % 16 == 0): 17-64 rows give tm_linear_bf16's float32
-    sums, 65+ oneDNN's bf16-rounded outputs, 16 or fewer the float32 kernel."""
+def test_bf16_mode_takes_the_tiles_above_16_rows():
+    """A layer whose outputs tile (N % 16 == 0): 17 rows and more (batched decode and
+    prefill alike) give tm_linear_bf16's float32 sums, 16 or fewer the float32 kernel; the
+    tiles are its only bf16 copy (no oneDNN one)."""
     layer = _layer(n=320)
-    prepacked.prepack_linears(layer, torch.bfloat16)
+    assert prepacked.prepack_linears(layer, torch.bfloat16) == layer.weight.numel() * 2
     tiles = prepacked.bf16_tiles(layer)
     assert tiles is not None and prepacked.c_kernel_rows(layer) == cpu_ops.LINEAR_MAX_ROWS
-    for rows in (17, 64):
+    assert layer.prepacked[0] is None
+    for rows in (17, 64, 65, 301):
         x = torch.randn(rows, 96)
         assert torch.equal(layer(x), cpu_ops.linear_bf16(x, tiles, layer.bias))
-    x = torch.randn(65, 96)
-    assert not torch.equal(layer(x), cpu_ops.linear_bf16_reference(x, layer.weight, layer.bias))
+        if rows == 65:
+            assert torch.equal(layer(x), cpu_ops.linear_bf16_reference(x, layer.weight, layer.bias))
     x = torch.randn(16, 96)
     assert torch.equal(layer(x), cpu_ops.linear(x, layer.weight, layer.bias))
     layer.weight.data = layer.weight.data.clone()   # replaced after packing: no stale tiles

@@ -1,5 +1,5 @@
-/* bf16 matmul of decode-sized row counts for cpu_gemm_dtype="bfloat16" (CPUs with AVX-512
- * BF16 only; the caller checks): x [M, K] float32 is rounded to bf16 as torch's .to() rounds
+/* bf16 matmul of more than 16 rows for cpu_gemm_dtype="bfloat16" (CPUs with AVX-512 BF16
+ * only; the caller checks): x [M, K] float32 is rounded to bf16 as torch's .to() rounds
  * (nearest even, NaN -> 0x7fc0), W is a bf16 copy in tiles of 16 outputs, each tile [K / 2]
  * [16] pairs of consecutive k, so one 512-bit load feeds vdpbf16ps for 16 outputs and one
  * k pair. Every output is one chain over the k pairs in order (vdpbf16ps adds the odd
@@ -60,31 +60,41 @@ bf16_block(const uint32_t *xb, int64_t K2, const uint32_t *wt, int64_t t0, const
 }
 
 /* y [M, N] = bf16(x) [M, K] bf16(W)^T (+ bias) with W as tiles (N % 16 == 0, K % 2 == 0;
- * cpu_ops.bf16_tiles lays them out). Returns nonzero for a shape it does not take or when
- * its buffer could not be allocated. */
+ * cpu_ops.bf16_tiles lays them out), any M: rows go in panels of BF_PANEL, whose bf16 copy
+ * stays in L2 while the threads pass their share of the tiles over it (W from L3 or memory
+ * once a panel). Returns nonzero for a shape it does not take or when its buffer could not
+ * be allocated. */
+#define BF_PANEL 64
 BF_TARGET int tm_linear_bf16(const float *x, int64_t M, int64_t K, const uint16_t *tiles,
                              int64_t N, const float *bias, float *y, int nthreads) {
     if (K % 2 || N % 16 || M <= 0) return 1;
     const int64_t K2 = K / 2, ntiles = N / 16, pairs = (ntiles + 1) / 2;
     uint32_t *xb = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(M * K2));
     if (!xb) return 1;
-    round_bf16(x, M * K, (uint16_t *)xb);
     const uint32_t *wt = (const uint32_t *)tiles;
-    #pragma omp parallel for schedule(static) num_threads(nthreads) if (pairs > 1)
-    for (int64_t tp = 0; tp < pairs; tp++) {
-        const int64_t t0 = 2 * tp;
-        const int two = t0 + 1 < ntiles;
-        for (int64_t m0 = 0; m0 < M; m0 += BF_MB) {
-            const int64_t mb = M - m0 < BF_MB ? M - m0 : BF_MB;
-            const uint32_t *xm = xb + m0 * K2;
-            float *ym = y + m0 * N;
+    #pragma omp parallel num_threads(nthreads) if (pairs > 1)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; r++) round_bf16(x + r * K, K, (uint16_t *)(xb + r * K2));
+        for (int64_t p0 = 0; p0 < M; p0 += BF_PANEL) {
+            const int64_t p1 = M - p0 < BF_PANEL ? M : p0 + BF_PANEL;
+            #pragma omp for schedule(static) nowait   /* panels write disjoint rows */
+            for (int64_t tp = 0; tp < pairs; tp++) {
+                const int64_t t0 = 2 * tp;
+                const int two = t0 + 1 < ntiles;
+                for (int64_t m0 = p0; m0 < p1; m0 += BF_MB) {
+                    const int64_t mb = p1 - m0 < BF_MB ? p1 - m0 : BF_MB;
+                    const uint32_t *xm = xb + m0 * K2;
+                    float *ym = y + m0 * N;
 #define BF_CASE(MBC) case MBC: if (two) bf16_block(xm, K2, wt, t0, MBC, 2, bias, ym, N); \
                                else bf16_block(xm, K2, wt, t0, MBC, 1, bias, ym, N); break;
-            switch (mb) {
-                BF_CASE(1) BF_CASE(2) BF_CASE(3) BF_CASE(4) BF_CASE(5) BF_CASE(6) BF_CASE(7)
-                default: BF_CASE(8)
-            }
+                    switch (mb) {
+                        BF_CASE(1) BF_CASE(2) BF_CASE(3) BF_CASE(4) BF_CASE(5) BF_CASE(6) BF_CASE(7)
+                        default: BF_CASE(8)
+                    }
 #undef BF_CASE
+                }
+            }
         }
     }
     free(xb);

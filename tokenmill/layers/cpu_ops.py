@@ -93,10 +93,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     return y
 
 
-# -- bf16 compute (cpu_gemm_dtype="bfloat16") at decode-sized row counts -----------------------
-# On Zen 4 (2 threads, W from memory) oneDNN's bf16 GEMM ran 286-393 GFLOP/s at 32-64 rows
-# against 186-210 for the float32 kernels; tm_linear_bf16 (cpu_gemm_bf16.c) does it in C so that
-# the fused decode stack can take bf16-mode batches too, with the same bits as the modules.
+# -- bf16 compute (cpu_gemm_dtype="bfloat16") above 16 rows ------------------------------------
+# On Zen 4 (2 threads) tm_linear_bf16 (cpu_gemm_bf16.c) ran 378-424 GFLOP/s at 32-2048 rows
+# against oneDNN's bf16 path's 237-402 (its conversions included) and 186-210 for the float32
+# kernels. It is in C so that the fused decode stack takes bf16-mode batches too, with the
+# modules' bits, and prefill needs no second (oneDNN) bf16 copy.
 
 
 def bf16_tiles(weight: torch.Tensor) -> Optional[torch.Tensor]:
@@ -111,14 +112,14 @@ def bf16_tiles(weight: torch.Tensor) -> Optional[torch.Tensor]:
 
 def linear_bf16(x: torch.Tensor, tiles: torch.Tensor, bias: Optional[torch.Tensor] = None
                 ) -> Optional[torch.Tensor]:
-    """x [M, K] float32 (M <= LINEAR_MAX_ROWS) @ W^T (+ b) with x and W rounded to bf16 and
-    float32 sums (bf16_tiles' copy of W); None where it does not apply. Only CPUs with
+    """x [M, K] float32 @ W^T (+ b) with x and W rounded to bf16 and float32 sums
+    (bf16_tiles' copy of W), any M; None where it does not apply. Only CPUs with
     AVX-512 BF16 run it (prepacked.check_gemm_dtype refuses the mode elsewhere)."""
     if not (available() and _ok(x) and x.is_contiguous() and x.dim() == 2
             and tiles.dim() == 4 and x.shape[1] == 2 * tiles.shape[1]):
         return None
     m = x.shape[0]
-    if m == 0 or m > LINEAR_MAX_ROWS or (bias is not None and not (_ok(bias) and bias.is_contiguous())):
+    if m == 0 or (bias is not None and not (_ok(bias) and bias.is_contiguous())):
         return None
     n = tiles.shape[0] * 16
     y = torch.empty(m, n, dtype=torch.float32)

@@ -8,14 +8,16 @@ prepacked: gate_up [3072, 576] at 32 rows 76 vs 117, 64 rows 84 vs 99-101, 512 r
 ShareGPT prompts, 64 tokens each, same process A/B): 88-93 -> 110-114 tok/s.
 
 The copy costs the float weights' memory once more (``LLM(cpu_weight_prepack=False)`` /
-``--no-cpu-weight-prepack`` turns it off). ``cpu_gemm_dtype="bfloat16"`` keeps it in bf16
-instead (half that memory), plus a tiled bf16 copy for steps of 17-64 rows
-(cpu_ops.linear_bf16: float32 sums and outputs, the fused decode stack's kernel too):
-activations are rounded to bf16 for these matmuls; oneDNN (65+ rows)
-accumulates in fp32 and rounds the result to bf16 (its output has the input's dtype); only CPUs with AVX-512 BF16 multiply bf16 natively, so other CPUs are
-refused (bf16 is emulated there, tens of times slower than fp32). The small-row decode path keeps reading the plain
-weight (its kernel streams rows; cpu_ops.linear). A layer whose weight tensor is replaced
-after packing falls back to F.linear until ``prepack_linears`` runs again.
+``--no-cpu-weight-prepack`` turns it off). ``cpu_gemm_dtype="bfloat16"`` keeps a tiled bf16
+copy instead (half that memory; cpu_ops.linear_bf16, the fused decode stack's kernel too) for
+every matmul of more than BF16_FLOAT_ROWS rows: activations are rounded to bf16, sums and
+outputs stay float32, and a row's bits do not depend on the rows beside it. Only CPUs with
+AVX-512 BF16 multiply bf16 natively, so other CPUs are refused (bf16 is emulated there,
+tens of times slower than fp32). A weight whose shape the tiles do not take (N % 16, odd K)
+gets oneDNN's bf16 copy, which rounds its outputs to bf16. The small-row decode path keeps
+reading the plain weight (its kernel streams rows; cpu_ops.linear). A layer whose weight
+tensor is replaced after packing falls back to F.linear until ``prepack_linears`` runs
+again.
 """
 from __future__ import annotations
 
@@ -46,8 +48,8 @@ def float_kernel_rows(layer: nn.Module) -> int:
 
 
 def bf16_tiles(layer: nn.Module) -> Optional[torch.Tensor]:
-    """The layer's tiled bf16 copy (cpu_ops.bf16_tiles) that steps of BF16_FLOAT_ROWS + 1 ..
-    cpu_ops.LINEAR_MAX_ROWS rows take in bf16 mode, or None."""
+    """The layer's tiled bf16 copy (cpu_ops.bf16_tiles) that steps of more than
+    BF16_FLOAT_ROWS rows take in bf16 mode, or None."""
     entry = getattr(layer, "prepacked", None)
     return entry[3] if entry is not None and entry[1] == layer.weight.data_ptr() else None
 
@@ -92,11 +94,11 @@ def prepack_linears(model: nn.Module, gemm_dtype: torch.dtype = torch.float32) -
                 and isinstance(weight, torch.Tensor) and weight.dtype is torch.float32
                 and weight.device.type == "cpu" and weight.dim() == 2):
             continue
-        packed = torch.ops.mkldnn._reorder_linear_weight(
-            weight.detach().contiguous().to(gemm_dtype), PACK_ROWS_HINT)
         tiles = cpu_ops.bf16_tiles(weight) if gemm_dtype is torch.bfloat16 else None
+        packed = None if tiles is not None else torch.ops.mkldnn._reorder_linear_weight(
+            weight.detach().contiguous().to(gemm_dtype), PACK_ROWS_HINT)
         module.prepacked = (packed, weight.data_ptr(), gemm_dtype, tiles)
-        added += weight.numel() * gemm_dtype.itemsize + (tiles.numel() * 2 if tiles is not None else 0)
+        added += tiles.numel() * 2 if tiles is not None else weight.numel() * gemm_dtype.itemsize
     return added
 
 
@@ -111,10 +113,8 @@ def linear(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> O
             or (bias is not None and bias.dtype is not torch.float32)):
         return None
     packed, _, gemm_dtype, tiles = entry
-    if tiles is not None and x.shape[0] <= cpu_ops.LINEAR_MAX_ROWS:   # the C stack's bits
-        y = cpu_ops.linear_bf16(x.contiguous(), tiles, bias)
-        if y is not None:
-            return y
+    if tiles is not None:   # bf16 mode: the C stack's kernel, at any row count
+        return cpu_ops.linear_bf16(x.contiguous(), tiles, bias)
     if gemm_dtype is torch.float32:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     y = torch.ops.mkldnn._linear_pointwise(x.to(gemm_dtype).contiguous(), packed, None, "none", [], "")
