@@ -172,31 +172,31 @@ def test_bf16_tile_rows_do_not_depend_on_the_batch():
 
 
 @needs_bf16
-def test_bf16_mode_takes_the_tiles_above_16_rows():
-    """A layer whose outputs tile (N % 16 == 0): 17 rows and more (batched decode and
-    prefill alike) give tm_linear_bf16's float32 sums, 16 or fewer the float32 kernel; the
-    tiles are its only bf16 copy (no oneDNN one)."""
+def test_bf16_mode_takes_the_tiles_at_every_row_count():
+    """A layer whose outputs tile (N % 16 == 0): every row count (decode, batched decode and
+    prefill alike) gives tm_linear_bf16's float32 sums; the tiles are its only bf16 copy (no
+    oneDNN one)."""
     layer = _layer(n=320)
     assert prepacked.prepack_linears(layer, torch.bfloat16) == layer.weight.numel() * 2
     tiles = prepacked.bf16_tiles(layer)
     assert tiles is not None and prepacked.c_kernel_rows(layer) == cpu_ops.LINEAR_MAX_ROWS
-    assert layer.prepacked[0] is None
-    for rows in (17, 64, 65, 301):
+    assert layer.prepacked[0] is None and prepacked.float_kernel_rows(layer) == 0
+    for rows in (1, 16, 17, 64, 65, 301):
         x = torch.randn(rows, 96)
         assert torch.equal(layer(x), cpu_ops.linear_bf16(x, tiles, layer.bias))
         if rows == 65:
             assert torch.equal(layer(x), cpu_ops.linear_bf16_reference(x, layer.weight, layer.bias))
-    x = torch.randn(16, 96)
-    assert torch.equal(layer(x), cpu_ops.linear(x, layer.weight, layer.bias))
+    x = torch.randn(1, 96)   # not the float32 kernel's bits
+    assert not torch.equal(layer(x), cpu_ops.linear(x, layer.weight, layer.bias))
     layer.weight.data = layer.weight.data.clone()   # replaced after packing: no stale tiles
     assert prepacked.bf16_tiles(layer) is None
 
 
 @needs_bf16
 def test_engine_bf16_gemms_stay_close_to_float32(tiny_llama_dir):
-    """Prefill (many rows) takes the bf16 copy, decode steps the float32 kernels: logprobs of
-    the same greedy tokens stay within bf16's rounding (measured up to 0.09 nats on this
-    random tiny model, whose logits are flat; a broken GEMM is off by nats)."""
+    """Prefill and decode take the bf16 tiles: logprobs of the same greedy tokens stay
+    within bf16's rounding (measured up to 0.12 nats on this random tiny model, whose
+    logits are flat; a broken GEMM is off by nats)."""
     from tokenmill import LLM, SamplingParams
     prompts = [{"prompt_token_ids": list(range(3 + i, 60 + 7 * i))} for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=0)
@@ -216,8 +216,9 @@ def test_engine_bf16_gemms_stay_close_to_float32(tiny_llama_dir):
 
 @needs_bf16
 def test_bf16_copy_takes_batched_steps_past_sixteen_rows(monkeypatch, tiny_llama_dir):
-    """With a bf16 copy, up to 16 rows stay on the float32 kernel and more take the copy
-    (the float kernel alone would take up to LINEAR_MAX_ROWS)."""
+    """With oneDNN's bf16 copy (a weight the tiles do not take: 300 outputs), up to 16 rows
+    stay on the float32 kernel and more take the copy (the float kernel alone would take up
+    to LINEAR_MAX_ROWS)."""
     from tokenmill import LLM
     from tokenmill.runner import fused_stack
     layer = _layer()
@@ -229,7 +230,7 @@ def test_bf16_copy_takes_batched_steps_past_sixteen_rows(monkeypatch, tiny_llama
     layer(torch.randn(prepacked.BF16_FLOAT_ROWS, 96))
     layer(torch.randn(prepacked.BF16_FLOAT_ROWS + 1, 96))
     assert calls == [prepacked.BF16_FLOAT_ROWS + 1] or not cpu_ops.available()
-    # the tiny model's outputs tile (N % 16 == 0): bf16 mode's 17-64 rows stay in the C stack
+    # the tiny model's outputs tile (N % 16 == 0): bf16 mode's steps of up to 64 rows stay in the C stack
     for dtype, rows in (("bfloat16", cpu_ops.LINEAR_MAX_ROWS), ("float32", cpu_ops.LINEAR_MAX_ROWS)):
         model = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, cpu_gemm_dtype=dtype).engine.model
         if cpu_ops.available():

@@ -9,15 +9,14 @@ ShareGPT prompts, 64 tokens each, same process A/B): 88-93 -> 110-114 tok/s.
 
 The copy costs the float weights' memory once more (``LLM(cpu_weight_prepack=False)`` /
 ``--no-cpu-weight-prepack`` turns it off). ``cpu_gemm_dtype="bfloat16"`` keeps a tiled bf16
-copy instead (half that memory; cpu_ops.linear_bf16, the fused decode stack's kernel too) for
-every matmul of more than BF16_FLOAT_ROWS rows: activations are rounded to bf16, sums and
-outputs stay float32, and a row's bits do not depend on the rows beside it. Only CPUs with
-AVX-512 BF16 multiply bf16 natively, so other CPUs are refused (bf16 is emulated there,
-tens of times slower than fp32). A weight whose shape the tiles do not take (N % 16, odd K)
-gets oneDNN's bf16 copy, which rounds its outputs to bf16. The small-row decode path keeps
-reading the plain weight (its kernel streams rows; cpu_ops.linear). A layer whose weight
-tensor is replaced after packing falls back to F.linear until ``prepack_linears`` runs
-again.
+copy instead (half that memory; cpu_ops.linear_bf16, the fused decode stack's kernel too) that
+every matmul of the layer takes, decode's few rows too (half the bytes to read): activations
+are rounded to bf16, sums and outputs stay float32, and a row's bits do not depend on the
+rows beside it. Only CPUs with AVX-512 BF16 multiply bf16 natively, so other CPUs are refused
+(bf16 is emulated there, tens of times slower than fp32). A weight whose shape the tiles do
+not take (N % 16, odd K) gets oneDNN's bf16 copy for more than BF16_FLOAT_ROWS rows (it rounds
+its outputs to bf16) and the float32 kernel below. A layer whose weight tensor is replaced
+after packing falls back to F.linear until ``prepack_linears`` runs again.
 """
 from __future__ import annotations
 
@@ -32,24 +31,25 @@ PACK_ROWS_HINT = 64      # the row count oneDNN picks its blocked layout for; me
 #                          from 8 to 512 rows (above)
 
 
-# Where a layer's copy is bf16 (cpu_gemm_dtype), steps of more rows than this compute in bf16;
-# up to this many stay float32 on the small-M kernel (decode-sized; they read W from memory,
-# so bf16 arithmetic would save nothing there): the bf16 mode is there for batched steps.
+# bf16 mode (cpu_gemm_dtype) multiplies every row count on the tiled copy: at decode's few
+# rows it reads half the float32 weight's bytes (Zen 4, 2 threads, W from memory: 1.9x the
+# float32 GEMV at one row, 1.5-1.75x at 16). A weight the tiles do not take has oneDNN's bf16
+# copy, for steps of more rows than this; fewer stay float32 on the small-M kernel.
 BF16_FLOAT_ROWS = 16
 
 
 def float_kernel_rows(layer: nn.Module) -> int:
     """The most rows of this layer's matmul that the float32 kernel (cpu_ops.linear) takes;
-    more go to the prepacked copy."""
+    more go to the prepacked copy (bf16 mode's tiles: every row)."""
     entry = getattr(layer, "prepacked", None)
     if entry is not None and entry[2] is torch.bfloat16:
-        return BF16_FLOAT_ROWS
+        return 0 if bf16_tiles(layer) is not None else BF16_FLOAT_ROWS
     return cpu_ops.LINEAR_MAX_ROWS
 
 
 def bf16_tiles(layer: nn.Module) -> Optional[torch.Tensor]:
-    """The layer's tiled bf16 copy (cpu_ops.bf16_tiles) that steps of more than
-    BF16_FLOAT_ROWS rows take in bf16 mode, or None."""
+    """The layer's tiled bf16 copy (cpu_ops.bf16_tiles) that every step takes in bf16 mode,
+    or None."""
     entry = getattr(layer, "prepacked", None)
     return entry[3] if entry is not None and entry[1] == layer.weight.data_ptr() else None
 
