@@ -5,6 +5,7 @@ drafter is harmless; counters; nothing held at idle."""
 import pytest
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.layers import native
 from tokenmill.request import RequestStatus
 
 PROMPTS = [[(17 * i + 5 * j) % 380 + 3 for j in range(n)] for i, n in
@@ -61,6 +62,24 @@ def test_greedy_equals_plain_in_mixed_batch(tiny_llama_dir, draft_dir, plain, me
     assert stats["spec_num_drafts"] > 0 and stats["spec_num_draft_tokens"] >= stats["spec_num_drafts"]
     assert stats["spec_mean_acceptance_length"] >= 1.0
     assert sum(stats["spec_accepted_per_position"]) == stats["spec_num_accepted_tokens"]
+
+
+@pytest.mark.skipif(not native.has_avx512_bf16(), reason="CPU without AVX-512 BF16")
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_greedy_equals_plain_in_bf16_mode(tiny_llama_dir, draft_dir, method):
+    """cpu_gemm_dtype bfloat16 multiplies decode rows, verify steps and prefill chunks on the
+    bf16 tiles: a row's bits do not depend on how many rows share its matmul, so speculation
+    (k + 1 rows a verify step) still gives plain decoding's tokens (one row a step)."""
+    params, prompts = greedy(logprobs=1), [{"prompt_token_ids": p} for p in PROMPTS]
+    plain16 = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=256,
+                  cpu_gemm_dtype="bfloat16")
+    ref = plain16.generate(prompts, params, use_tqdm=False)
+    llm = spec_llm(tiny_llama_dir, draft_dir, method, cpu_gemm_dtype="bfloat16")
+    for o, r in zip(llm.generate(prompts, params, use_tqdm=False), ref):
+        assert o.outputs[0].token_ids == r.outputs[0].token_ids
+        got = [{t: lp.logprob for t, lp in a.items()} for a in o.outputs[0].logprobs]
+        assert got == [{t: lp.logprob for t, lp in b.items()} for b in r.outputs[0].logprobs]
+    assert llm.get_stats()["spec_num_accepted_tokens"] > 0
 
 
 @pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft_model", "eagle3", "dflash"])
