@@ -58,10 +58,11 @@ class ModelConfig:
     # more. Ignored off CPU. Packed int8 / int4 linears with q8 activations get a tiled
     # copy of their weights the same way (layers/quant/qgemm.py).
     cpu_weight_prepack: bool = True
-    # The dtype of that oneDNN copy: "float32", or "bfloat16" (opt-in, CPUs with AVX-512
-    # BF16 only): many-row matmuls of float32 linears round weights, activations and their
-    # results to bf16, accumulating in fp32 (~1.6-2.8x the fp32 GEMM rate on Zen 5, half
-    # the copy's memory; fidelity in docs/bench). Decode-sized steps keep the float32 kernels.
+    # "float32": that copy is oneDNN's. "bfloat16" (opt-in, CPUs with AVX-512 BF16 only):
+    # a tiled bf16 copy instead, which every matmul of a float32 linear takes (decode rows
+    # too): weights and activations rounded to bf16, float32 sums and outputs (~2x the fp32
+    # GEMM rate on Zen 4, half the bytes a decode step reads, half the copy's memory;
+    # fidelity in docs/bench).
     cpu_gemm_dtype: str = "float32"
 
     def __post_init__(self) -> None:

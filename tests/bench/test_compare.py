@@ -143,5 +143,10 @@ def test_context_goals_pair_llamacpp_with_its_tokenmill_row():
     assert tm["decode_x_floor"] == round(floor / 150.0, 2)
     met = {g["goal"]: g["met"] for g in compare_contexts.goals(lines)}
     assert met["tokenmill gguf-q8 decode at ctx 512 vs llama.cpp gguf"] is True
+    # a row that streams fewer bytes than it holds (bf16 mode's tiles) takes those for its floor
+    rows[0]["decode_weight_bytes"] = 5 * 10**7
+    lines = compare_contexts.attach(rows, runs, 40.0, {"gguf": ("gguf-q8", "gguf")}, 64)
+    tm = next(line for line in lines if line["name"] == "tokenmill gguf-q8")
+    assert tm["decode_x_floor"] == round(40e9 / (5 * 10**7 + 10**4 * (512 + 32)) / 150.0, 2)
     with pytest.raises(ValueError):
         compare_contexts.parse("512,-1")

@@ -193,6 +193,21 @@ def test_bf16_mode_takes_the_tiles_at_every_row_count():
 
 
 @needs_bf16
+def test_bf16_unread_bytes_counts_each_tiled_weight_once():
+    """A decode step in bf16 mode streams tiles (2 bytes a value) instead of the float32
+    weight: the bench's floor subtracts the difference, once for a weight two layers share,
+    nothing for a layer without tiles."""
+    tiled, shared, untiled = _layer(n=320), _layer(n=320, seed=1), _layer(n=300)
+    model = torch.nn.ModuleList([tiled, shared, untiled])
+    prepacked.prepack_linears(model, torch.bfloat16)
+    model.append(Linear(96, 320))
+    model[3].weight = shared.weight   # tied: the same tensor
+    model[3].prepacked = shared.prepacked
+    assert prepacked.bf16_unread_bytes(model) == 2 * 320 * 96 * 2
+    assert prepacked.bf16_unread_bytes(_layer()) == 0
+
+
+@needs_bf16
 def test_engine_bf16_gemms_stay_close_to_float32(tiny_llama_dir):
     """Prefill and decode take the bf16 tiles: logprobs of the same greedy tokens stay
     within bf16's rounding (measured up to 0.12 nats on this random tiny model, whose

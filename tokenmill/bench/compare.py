@@ -17,7 +17,7 @@ median over rounds (each round's value kept under "rounds").
 Rows state their precision: tokenmill "fp32" (GGUF dequantized to float32), "gguf" (GGUF
 blocks kept packed, float activations) and "gguf-q8" (the same blocks, activations rounded to
 int8 per 32 values for integer dot products: llama.cpp's own scheme, so the like-for-like row
-against llama.cpp on the same file), "bf16" (float32 weights, many-row matmuls on a bf16 oneDNN
+against llama.cpp on the same file), "bf16" (float32 weights, matmuls on a tiled bf16
 copy) and "bf16w" / "fp16w" (weights rounded to 16 bits, float32 activations); transformers fp32 (the GGUF dequantized by
 transformers); llama.cpp "gguf" (the original file, e.g. Q4_1) and "fp32" (an F32 GGUF
 written once from the same dequantized tensors, cached next to the model). A missing peer is
@@ -202,7 +202,7 @@ def add_comparisons(rows: list[dict], output_len: int, bandwidth_gbps: float,
                 r["output_token_ids"], ref["output_token_ids"], output_len)
             r["agreement_reference"] = ref["name"]
         if r["engine"] == "tokenmill" and r.get("weight_bytes"):
-            step_bytes = r["weight_bytes"] + r["kv_bytes_per_token"] * (decode_context + output_len // 2)
+            step_bytes = r.get("decode_weight_bytes", r["weight_bytes"]) + r["kv_bytes_per_token"] * (decode_context + output_len // 2)
             r["decode_floor_tok_s"] = round(bandwidth_gbps * 1e9 / step_bytes, 1)
             r["decode_x_floor"] = round(r["decode_floor_tok_s"] / r["decode_tok_s"], 2)
             continue
@@ -218,7 +218,7 @@ def add_comparisons(rows: list[dict], output_len: int, bandwidth_gbps: float,
 
 # a peer row's tokenmill counterpart, first present wins: llama.cpp on a GGUF rounds
 # activations to 8 bits, as tokenmill's gguf-q8 row does; vLLM's bf16 (bf16 weights and
-# activations) meets tokenmill's bf16 GEMM copy, else its bf16 weights
+# activations) meets tokenmill's bf16 compute mode, else its bf16 weights
 _LIKE_FOR_LIKE = {"gguf": ("gguf-q8", "gguf"), "bf16": ("bf16", "bf16w")}
 
 

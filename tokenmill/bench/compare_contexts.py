@@ -59,7 +59,7 @@ def attach(rows: list[dict], runs: dict[str, dict], bandwidth_gbps: float,
             line = {"name": r["name"], "context": int(c), "status": r.get("contexts_status"),
                     "peak_rss_mb": r.get("contexts_peak_rss_mb"), **m}
             if r["engine"] == "tokenmill" and r.get("weight_bytes") and m.get("decode_tok_s"):
-                step = r["weight_bytes"] + r["kv_bytes_per_token"] * (int(c) + output_len // 2)
+                step = r.get("decode_weight_bytes", r["weight_bytes"]) + r["kv_bytes_per_token"] * (int(c) + output_len // 2)
                 line["decode_x_floor"] = round(bandwidth_gbps * 1e9 / step / m["decode_tok_s"], 2)
             elif r["engine"] != "tokenmill":
                 tm = _counterpart(by, r, like_for_like)

@@ -82,9 +82,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "matmuls, nor the tiled int8 / int4 copy of q8 linears (saves that memory; "
                         "batched GEMMs up to 2-3x slower)")
     g.add_argument("--cpu-gemm-dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="dtype of that oneDNN copy: bfloat16 (CPUs with AVX-512 BF16 only) "
-                        "rounds prefill / batched matmuls to bf16 with fp32 accumulation: "
-                        "faster, small accuracy cost; decode-sized steps stay float32")
+                   help="bfloat16 (CPUs with AVX-512 BF16 only): every float matmul on a "
+                        "tiled bf16 copy, activations rounded to bf16, fp32 sums: faster "
+                        "prefill, batches and decode, small accuracy cost")
     g.add_argument("--speculative-config", default=None,
                    help='speculative decoding, JSON: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--speculative-model", default=None, help="draft model, or [ngram] for prompt lookup")

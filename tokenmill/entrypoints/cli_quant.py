@@ -61,7 +61,7 @@ def add_eval_parser(sub) -> None:
     p.add_argument("--quant-activations", default="fp32", choices=["fp32", "q8"],
                    help="activations of int8 / int4 weight matmuls (q8: llama.cpp's integer dots)")
     p.add_argument("--cpu-gemm-dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="bfloat16: many-row matmuls on a bf16 oneDNN copy (AVX-512 BF16 CPUs)")
+                   help="bfloat16: matmuls on a tiled bf16 copy (AVX-512 BF16 CPUs)")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", action="store_true", help="only the JSON line")
     p.set_defaults(func=cmd_eval_ppl)

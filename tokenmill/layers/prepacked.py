@@ -54,6 +54,18 @@ def bf16_tiles(layer: nn.Module) -> Optional[torch.Tensor]:
     return entry[3] if entry is not None and entry[1] == layer.weight.data_ptr() else None
 
 
+def bf16_unread_bytes(model: nn.Module) -> int:
+    """Weight bytes a bf16-mode decode step does not stream: each tiled linear reads its
+    tiles (2 bytes a value) instead of its float32 weight (a shared weight counted once)."""
+    seen, unread = set(), 0
+    for module in model.modules():
+        tiles = bf16_tiles(module) if getattr(module, "prepacked", None) is not None else None
+        if tiles is not None and module.weight.data_ptr() not in seen:
+            seen.add(module.weight.data_ptr())
+            unread += module.weight.numel() * 4 - tiles.numel() * 2
+    return unread
+
+
 def c_kernel_rows(layer: nn.Module) -> int:
     """The most rows of this layer's matmul that a C kernel takes (the float32 one, then in
     bf16 mode the tiled bf16 one): what the fused decode stack can run for it."""

@@ -69,7 +69,7 @@ def evaluate(model: str, quantization: Optional[str] = None, max_tokens: int = 4
              cpu_gemm_dtype: str = "float32") -> dict:
     """``chunk_size``: prefill tokens per step (None = a whole window in one step);
     ``quant_activations``: "q8" scores the int8-activation path of packed linears;
-    ``cpu_gemm_dtype``: "bfloat16" scores the bf16 GEMMs of many-row matmuls."""
+    ``cpu_gemm_dtype``: "bfloat16" scores the bf16 compute mode (every float matmul in bf16)."""
     from tokenmill.quantization.calibration import text_token_windows
     t0 = time.time()
     llm = _llm(model, quantization, context_len, num_threads, cache_dir, kv_cache_dtype, chunk_size,

@@ -35,7 +35,8 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     ``cpu_weight_prepack``: float32 CPU linears get a oneDNN copy of their weight
     (layers/prepacked.py), and packed int8 / int4 linears with q8 activations a tiled copy
     for the tiled q8 GEMM (layers/quant/qgemm.py); ``model.prepacked_bytes`` says what it added.
-    ``cpu_gemm_dtype``: the oneDNN copy's dtype (float32, or bfloat16 on AVX-512 BF16 CPUs).
+    ``cpu_gemm_dtype``: float32 (the oneDNN copy), or bfloat16 on AVX-512 BF16 CPUs (a tiled bf16
+    copy that every matmul of the linear takes).
     ``tp``: this rank's tensor-parallel group; each parameter loads only its piece (safetensors
     are read lazily, slice by slice). ``expert_parallel``: an MoE model's experts are split
     whole over the ranks of ``tp``. ``triton_kernels``: norms, RoPE and gated activations

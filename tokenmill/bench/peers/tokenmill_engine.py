@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 
 BLOCK_SIZE = 16
-# "bf16": float32 weights whose many-row matmuls run on a bf16 oneDNN copy (cpu_gemm_dtype;
-# CPUs with AVX-512 BF16), decode-sized steps in float32
+# "bf16": float32 weights whose matmuls run on a tiled bf16 copy (cpu_gemm_dtype; CPUs with
+# AVX-512 BF16), activations rounded to bf16, float32 sums
 PRECISIONS = ("fp32", "bf16", "bf16w", "fp16w", "gguf", "gguf-q8")
 _QUANTIZATION = {"gguf": "gguf", "gguf-q8": "gguf", "bf16w": "bf16", "fp16w": "fp16"}
 
@@ -38,9 +38,14 @@ class TokenmillEngine:
                        block_size=BLOCK_SIZE, num_kv_blocks=spec["max_num_seqs"] * blocks_per_seq + 1,
                        enable_prefix_caching=False)
         engine = self.llm.engine
+        from tokenmill.layers import prepacked
+        model = getattr(engine, "model", None)
+        unread = prepacked.bf16_unread_bytes(model) if model is not None else 0
         self.info = {"version": tokenmill.__version__, "threads": engine.num_threads,
                      "weights": spec["model_path"].rsplit("/", 1)[-1],
                      "weight_bytes": engine.weight_bytes,
+                     # what a decode step streams (bf16 mode reads the tiles, not the float32 weights)
+                     "decode_weight_bytes": engine.weight_bytes - unread,
                      "kv_bytes_per_token": engine.kv_bytes_per_token,
                      "kv_cache_dtype": spec.get("kv_cache_dtype", "auto"),
                      "dtype": str(engine.dtype).replace("torch.", "")}
