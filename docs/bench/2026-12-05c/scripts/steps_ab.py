@@ -1,4 +1,4 @@
-# usage: steps_ab.py float32|bfloat16 [LLM kwargs]: 32 random 128-token prompts, prefill seconds and ms per decode step at 32 sequences (no prefix cache); LIB=path/lib.so swaps the kernel library
+# usage: steps_ab.py float32|bfloat16 [LLM kwargs]: 32 random 128-token prompts, prefill seconds and ms per decode step at 32 sequences (no prefix cache); LIB=path/lib.so swaps the kernel library; prints the peak RSS last (run with PYTHONPATH=TREE to measure another checkout)
 import sys, time, torch
 from tokenmill import LLM, SamplingParams
 import os, ctypes
@@ -16,3 +16,4 @@ for r in range(2):
         t = time.perf_counter(); llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
         res[n] = time.perf_counter() - t
     print(dt, kw, "prefill s %.2f decode ms/step %.1f total tok/s(128) %.0f" % (res[1], (res[129]-res[1])/128*1e3, 32*128/(res[129])))
+import resource; print("peak RSS MB %.0f" % (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
