@@ -3,8 +3,8 @@
  *
  * A linear is described by DEC_PARTS parts of DEC_FIELDS int64 each ({kind, weight, scale,
  * mins, group, n, perm, tiled qw, tiled sc, tiled mn, tiled kind}; kind -1 = float32 weight
- * [n, K] (bf16 mode: tiled qw = its tm_linear_bf16 tiles, taken by steps of more rows than
- * field 8, as prepacked.linear takes them), -3 = 16-bit weight [n, K] of value type {field 2: KV_F16 / KV_BF16} for
+ * [n, K] (bf16 mode: tiled qw = its tm_linear_bf16 tiles, which every step takes, as
+ * prepacked.linear takes them), -3 = 16-bit weight [n, K] of value type {field 2: KV_F16 / KV_BF16} for
  * tm_linear_half, 0/1/2 = int8/int4/fp8 packed for tm_qmm (| KIND_HALF: float16 scales), -2 = no
  * part; perm: 0 or an int64 [K] input-column order, GPTQ act-order; tiled: 0 or the part's
  * copy for tm_qgemm_q8 (its own kind: 5-bit tiles hold int8 values), which q8 steps take,
@@ -20,7 +20,7 @@
 static int dec_part(const int64_t *d, const float *in, int64_t T, int64_t K, const float *bias,
                     float *dst, int q8, int nthreads) {
     const int64_t kind = d[0], n = d[5];
-    if (kind == -1 && d[7] && T > d[8])   /* bf16 mode's batched steps */
+    if (kind == -1 && d[7])   /* bf16 mode */
         return tm_linear_bf16(in, T, K, (const uint16_t *)d[7], n, bias, dst, nthreads);
     if (kind == -1) {   /* the float module adds its bias inside the kernel: so do we */
         tm_linear_small_m(in, T, K, (const float *)d[1], n, bias, dst, nthreads);

@@ -1,5 +1,5 @@
-/* bf16 matmul of more than 16 rows for cpu_gemm_dtype="bfloat16" (CPUs with AVX-512 BF16
- * only; the caller checks): x [M, K] float32 is rounded to bf16 as torch's .to() rounds
+/* bf16 matmul of any row count for cpu_gemm_dtype="bfloat16" (CPUs with AVX-512 BF16 only;
+ * the caller checks): x [M, K] float32 is rounded to bf16 as torch's .to() rounds
  * (nearest even, NaN -> 0x7fc0), W is a bf16 copy in tiles of 16 outputs, each tile [K / 2]
  * [16] pairs of consecutive k, so one 512-bit load feeds vdpbf16ps for 16 outputs and one
  * k pair. Every output is one chain over the k pairs in order (vdpbf16ps adds the odd

@@ -59,7 +59,7 @@ def bf16_unread_bytes(model: nn.Module) -> int:
     tiles (2 bytes a value) instead of its float32 weight (a shared weight counted once)."""
     seen, unread = set(), 0
     for module in model.modules():
-        tiles = bf16_tiles(module) if getattr(module, "prepacked", None) is not None else None
+        tiles = bf16_tiles(module)
         if tiles is not None and module.weight.data_ptr() not in seen:
             seen.add(module.weight.data_ptr())
             unread += module.weight.numel() * 4 - tiles.numel() * 2

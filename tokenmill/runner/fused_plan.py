@@ -115,8 +115,8 @@ def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
         w = getattr(lin, "weight", None)
         if not (is_fp32_cpu(w) and w.is_contiguous()):
             return None
-        tiles = prepacked.bf16_tiles(lin)   # bf16 mode: fields 7, 8 = its tiles, rows above which they serve
-        bf16 = [0, tiles.data_ptr(), prepacked.float_kernel_rows(lin)] if tiles is not None else []
+        tiles = prepacked.bf16_tiles(lin)   # bf16 mode: field 7 = its tiles, which every step takes
+        bf16 = [0, tiles.data_ptr()] if tiles is not None else []
         return _one_part([-1, w.data_ptr(), 0, 0, 0, w.shape[0]] + bf16), w
     if type(method) is HalfWeightMethod:   # 16-bit weight: kind -3, its value type in field 2
         w = getattr(lin, "weight", None)
