@@ -106,6 +106,17 @@ def tiny_chat_model_dir(tmp_path_factory, smollm2_path):
     return save_tiny_chat_llama(path, tok, max_position_embeddings=64)
 
 
+@pytest.fixture(scope="session")
+def long_model_dir(tmp_path_factory, smollm2_path):
+    """A tiny random Llama with SmolLM2's tokenizer and 2048 positions: a few hundred tokens
+    a request keep the engine busy for seconds at milliseconds a step, so a test can act
+    (signal, send a late request) while requests are surely still running."""
+    from tests.conftest import save_tiny_chat_llama
+    from tokenmill.models.loader import load_tokenizer
+    path = tmp_path_factory.mktemp("tiny_llama_2k")
+    return save_tiny_chat_llama(path, load_tokenizer(smollm2_path), max_position_embeddings=2048)
+
+
 def start_engine(make_llm, timeout: float = 120.0, **engine_kwargs) -> AsyncEngine:
     """An AsyncEngine around ``make_llm().engine``, started and loaded (or the test fails)."""
     engine = AsyncEngine(lambda: make_llm().engine, **engine_kwargs)

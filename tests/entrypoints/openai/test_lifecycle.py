@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -120,13 +121,16 @@ def _wait_healthy(url: str, proc, timeout: float = 120) -> None:
     raise AssertionError("server did not become healthy")
 
 
-def test_sigterm_drains_then_exits_zero(tiny_chat_model_dir):
+def test_sigterm_drains_then_exits_zero(long_model_dir):
+    # 2048 positions and 1500 tokens a stream: the drain lasts seconds, so the late request
+    # surely meets a draining server (with 64 positions it could meet a closed listener).
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--model",
-           tiny_chat_model_dir, "--port", str(port), "--num-kv-blocks", "64",
+           long_model_dir, "--port", str(port), "--num-kv-blocks", "320",
            "--num-threads", "1", "--served-model-name", "tiny", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    log = tempfile.TemporaryFile("w+")     # a pipe nobody reads could fill and block the server
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         _wait_healthy(url, proc)
@@ -134,7 +138,7 @@ def test_sigterm_drains_then_exits_zero(tiny_chat_model_dir):
         streaming = [threading.Event() for _ in range(3)]
 
         def stream(i):
-            body = {"prompt": [1, 2, 3 + i], "max_tokens": 200, "ignore_eos": True,
+            body = {"prompt": [1, 2, 3 + i], "max_tokens": 1500, "ignore_eos": True,
                     "stream": True}
             lines = results[i] = []
             with requests.post(url + "/v1/completions", json=body, stream=True, timeout=60) as r:
@@ -151,10 +155,14 @@ def test_sigterm_drains_then_exits_zero(tiny_chat_model_dir):
         for started in streaming:
             assert started.wait(60)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10
+        while requests.get(url + "/health", timeout=10).status_code != 503:
+            assert time.monotonic() < deadline, "/health never said draining"
+            time.sleep(0.05)
         late = requests.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 2},
                              timeout=10)
         assert late.status_code == 503 and "retry-after" in late.headers
+        assert all(t.is_alive() for t in threads), "the streams ended before the late request"
         for t in threads:
             t.join(60)
         assert proc.wait(30) == 0
@@ -167,4 +175,4 @@ def test_sigterm_drains_then_exits_zero(tiny_chat_model_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
+        log.close()

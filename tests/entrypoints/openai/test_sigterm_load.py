@@ -33,16 +33,6 @@ NUM_REQUESTS = 16
 EXIT_MARGIN_S = 15.0
 
 
-@pytest.fixture(scope="module")
-def long_model_dir(tmp_path_factory, smollm2_path):
-    """A tiny random Llama with SmolLM2's tokenizer and 2048 positions: a few hundred
-    tokens for each of 16 requests keep the engine busy for seconds, at milliseconds a step."""
-    from tests.conftest import save_tiny_chat_llama
-    from tokenmill.models.loader import load_tokenizer
-    path = tmp_path_factory.mktemp("tiny_llama_2k")
-    return save_tiny_chat_llama(path, load_tokenizer(smollm2_path), max_position_embeddings=2048)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
