@@ -250,3 +250,69 @@ def test_bf16_copy_takes_batched_steps_past_sixteen_rows(monkeypatch, tiny_llama
         model = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, cpu_gemm_dtype=dtype).engine.model
         if cpu_ops.available():
             assert fused_stack.stack_plan(model).max_rows("fp32") == rows
+
+
+@needs_bf16
+def test_bf16_mode_frees_the_float_weight_and_reads_its_tiles_back():
+    """free_float: a tiled layer keeps only its tiles; every path still computes: 2-D rows
+    take the tiles, other shapes, switched-off kernels and autograd take the weight read
+    back from them (the bf16-rounded values, exactly). A weight another module shares is
+    kept; a weight set after the freeing is the layer's again (no stale tiles)."""
+    from tokenmill.layers.cpu_ops import set_cpu_kernels
+    layer = _layer(n=320)
+    rounded = layer.weight.detach().bfloat16().float()
+    prepacked.prepack_linears(layer, torch.bfloat16, free_float=True)
+    assert "weight" not in layer._parameters and prepacked.tiles_only(layer)
+    tiles = prepacked.bf16_tiles(layer)
+    assert torch.equal(prepacked.dense_weight(layer), rounded)
+    assert prepacked.tiles_only_bytes(layer) == tiles.nbytes == 320 * 96 * 2
+    x = torch.randn(5, 96)
+    assert torch.equal(layer(x), cpu_ops.linear_bf16(x, tiles, layer.bias))
+    x3 = torch.randn(2, 3, 96)
+    torch.testing.assert_close(layer(x3), F.linear(x3, rounded, layer.bias))
+    set_cpu_kernels(layer, False)
+    torch.testing.assert_close(layer(x), F.linear(x, rounded, layer.bias))
+    set_cpu_kernels(layer, True)
+    xg = torch.randn(4, 96, requires_grad=True)
+    layer(xg).sum().backward()
+    torch.testing.assert_close(xg.grad, rounded.sum(0).expand(4, 96))
+    layer.weight = torch.nn.Parameter(torch.randn(320, 96), requires_grad=False)
+    assert prepacked.bf16_tiles(layer) is None and not prepacked.tiles_only(layer)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-4)
+    a, b = _layer(n=320), Linear(96, 320, bias=False)
+    b.weight = a.weight   # tied: the other module reads the same tensor
+    model = torch.nn.ModuleList([a, b])
+    prepacked.prepack_linears(model, torch.bfloat16, free_float=True)
+    assert a.weight is b.weight and prepacked.bf16_tiles(a) is not None
+    assert not prepacked.tiles_only(a) and prepacked.tiles_only_bytes(model) == 0
+
+
+@needs_bf16
+def test_engine_bf16_mode_without_float_weights_keeps_its_outputs(monkeypatch, tiny_llama_dir):
+    """bf16 mode frees every tiled linear's float32 weight (the tiny model's head is untied:
+    it goes too): greedy tokens and logprobs are bit-identical to the same mode with the
+    weights kept, prefill, batched and fused C decode alike; the weight accounting moves by
+    exactly the freed float32 bytes."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.runner import fused_stack
+    prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 9 * i))} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    runs = {}
+    for free in (True, False):
+        if not free:
+            monkeypatch.setattr(prepacked, "_free_float_weight", lambda module, holders: 0)
+        llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, cpu_gemm_dtype="bfloat16")
+        model = llm.engine.model
+        linears = [m for m in model.modules() if isinstance(m, Linear)]
+        assert all(prepacked.tiles_only(m) is free for m in linears)
+        if free and cpu_ops.available():
+            assert fused_stack.stack_plan(model).max_rows("fp32") == cpu_ops.LINEAR_MAX_ROWS
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[free] = ([o.outputs[0].token_ids for o in outs],
+                      [[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs],
+                      llm.engine.weight_bytes, llm.engine.get_memory_stats()["model_weights"],
+                      sum(prepacked.bf16_tiles(m).nbytes for m in linears))
+    assert runs[True][:2] == runs[False][:2]
+    tiles = runs[True][4]
+    assert runs[True][3] == runs[False][3] - 2 * tiles      # float32: twice the tiles' bytes
+    assert runs[True][2] == runs[False][2] - 2 * tiles + tiles

@@ -309,7 +309,8 @@ class LLMEngine:
     def get_memory_stats(self) -> dict:
         """Bytes unless named otherwise. ``model_weights``: the loaded model's parameters and
         buffers (RoPE tables); ``prepacked_weights``: the oneDNN / tiled copies made at load
-        on top of them (a tiled q8 copy replaces the packed values it was made from).
+        on top of them (a tiled q8 copy replaces the packed values it was made from, and bf16
+        mode's tiles the float32 weights).
         ``kv_cache_usage``: fraction of KV blocks in use, 0..1. ``free_memory``: free memory
         on the device the model runs on (system MemAvailable on CPU, free device memory on CUDA)."""
         kv = self.scheduler.kv

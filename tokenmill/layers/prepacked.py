@@ -17,6 +17,12 @@ rows beside it. Only CPUs with AVX-512 BF16 multiply bf16 natively, so other CPU
 not take (N % 16, odd K) gets oneDNN's bf16 copy for more than BF16_FLOAT_ROWS rows (it rounds
 its outputs to bf16) and the float32 kernel below. A layer whose weight tensor is replaced
 after packing falls back to F.linear until ``prepack_linears`` runs again.
+
+In bf16 mode the tiles are all a layer's matmuls read, so ``prepack_linears`` frees
+the float32 weight of every tiled layer that does not share it (a tied head keeps the
+embedding's table): the tiles then hold the layer's values (bf16-rounded), and the paths
+that need a plain matrix (autograd, torch.compile, kernels switched off) read it back from
+them (``dense_weight``). The model's weights then take 2 bytes a value, not 6.
 """
 from __future__ import annotations
 
@@ -47,23 +53,84 @@ def float_kernel_rows(layer: nn.Module) -> int:
     return cpu_ops.LINEAR_MAX_ROWS
 
 
+def _fresh(layer: nn.Module, entry: tuple) -> bool:
+    """Does the prepacked entry still describe the layer's weight? A tiles-only entry
+    (address None) does while the layer has no float weight; any other while the layer
+    holds the very tensor it was made from."""
+    weight = getattr(layer, "weight", None)
+    if entry[1] is None:
+        return weight is None
+    return weight is not None and entry[1] == weight.data_ptr()
+
+
 def bf16_tiles(layer: nn.Module) -> Optional[torch.Tensor]:
     """The layer's tiled bf16 copy (cpu_ops.bf16_tiles) that every step takes in bf16 mode,
     or None."""
     entry = getattr(layer, "prepacked", None)
-    return entry[3] if entry is not None and entry[1] == layer.weight.data_ptr() else None
+    return entry[3] if entry is not None and entry[3] is not None and _fresh(layer, entry) else None
+
+
+def tiles_only(layer: nn.Module) -> bool:
+    """bf16 mode freed the layer's float32 weight: its tiles hold its values."""
+    entry = getattr(layer, "prepacked", None)
+    return entry is not None and entry[1] is None and bf16_tiles(layer) is not None
+
+
+def dense_weight(layer: nn.Module) -> torch.Tensor:
+    """The layer's weight as a float32 [N, K] matrix: its own, or read back from its tiles
+    (the bf16-rounded values, exactly) when bf16 mode freed it."""
+    weight = getattr(layer, "weight", None)
+    if weight is not None:
+        return weight
+    tiles = bf16_tiles(layer)
+    if tiles is None:
+        raise ValueError("a linear without a weight: neither a float32 weight nor bf16 tiles")
+    n_tiles, half_k = tiles.shape[0], tiles.shape[1]
+    return tiles.permute(0, 2, 1, 3).reshape(n_tiles * 16, half_k * 2).float()
 
 
 def bf16_unread_bytes(model: nn.Module) -> int:
-    """Weight bytes a bf16-mode decode step does not stream: each tiled linear reads its
-    tiles (2 bytes a value) instead of its float32 weight (a shared weight counted once)."""
+    """Weight bytes a bf16-mode decode step does not stream: each tiled linear that kept its
+    float32 weight (a tied head's, shared with the embedding) reads its tiles (2 bytes a
+    value) instead (a shared weight counted once). A tiles-only layer's weight bytes are its
+    tiles' (``tiles_only_bytes``): nothing unread."""
     seen, unread = set(), 0
     for module in model.modules():
-        tiles = bf16_tiles(module)
-        if tiles is not None and module.weight.data_ptr() not in seen:
-            seen.add(module.weight.data_ptr())
-            unread += module.weight.numel() * 4 - tiles.numel() * 2
+        tiles, weight = bf16_tiles(module), getattr(module, "weight", None)
+        if tiles is not None and weight is not None and weight.data_ptr() not in seen:
+            seen.add(weight.data_ptr())
+            unread += weight.numel() * 4 - tiles.numel() * 2
     return unread
+
+
+def tiles_only_bytes(model: nn.Module) -> int:
+    """Bytes of the bf16 tiles that hold the only copy of their layer's values: weight bytes
+    that ``model.parameters()`` no longer shows."""
+    return sum(bf16_tiles(m).nbytes for m in model.modules() if tiles_only(m))
+
+
+def _parameter_holders(model: nn.Module) -> dict[int, int]:
+    """Data address -> how many parameter slots (over all modules) hold it: 2+ is shared."""
+    holders: dict[int, int] = {}
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                holders[param.data_ptr()] = holders.get(param.data_ptr(), 0) + 1
+    return holders
+
+
+def _free_float_weight(module: nn.Module, holders: dict[int, int]) -> int:
+    """bf16 mode: free the float32 weight of a linear whose matmuls all take its tiles,
+    unless another parameter shares its memory (a tied head's embedding table, which the
+    embedding reads); returns the bytes freed."""
+    weight = getattr(module, "weight", None)
+    if bf16_tiles(module) is None or not isinstance(weight, torch.Tensor) \
+            or holders.get(weight.data_ptr()) != 1:
+        return 0
+    _, _, gemm_dtype, tiles = module.prepacked
+    del module.weight   # the module's only reference: the memory goes with it
+    module.prepacked = (None, None, gemm_dtype, tiles)
+    return weight.numel() * weight.element_size()
 
 
 def c_kernel_rows(layer: nn.Module) -> int:
@@ -89,18 +156,22 @@ def check_gemm_dtype(gemm_dtype: torch.dtype) -> None:
         raise ValueError(f"the oneDNN weight copy is float32 or bfloat16, not {gemm_dtype}")
 
 
-def prepack_linears(model: nn.Module, gemm_dtype: torch.dtype = torch.float32) -> int:
+def prepack_linears(model: nn.Module, gemm_dtype: torch.dtype = torch.float32,
+                    free_float: bool = False) -> int:
     """Give every float32 CPU ``Linear`` with a plain weight its oneDNN copy in
     ``gemm_dtype`` (float32 or bfloat16); returns the bytes added (0 when oneDNN is
     missing). A tied head shares its tensor with the embedding, so the head is packed like
-    any other weight."""
+    any other weight. ``free_float`` (bf16 mode): a layer's float32 weight is freed as soon
+    as its tiles exist (not shared, see _free_float_weight), so the load never holds both
+    copies of the whole model."""
     check_gemm_dtype(gemm_dtype)
     from tokenmill.layers.linear import Linear
     from tokenmill.layers.quant.methods import UnquantizedLinearMethod
     if not available():
         return 0
     added = 0
-    for module in model.modules():
+    holders = _parameter_holders(model) if free_float else {}
+    for module in list(model.modules()):
         weight = getattr(module, "weight", None)
         if not (isinstance(module, Linear) and isinstance(module.quant_method, UnquantizedLinearMethod)
                 and isinstance(weight, torch.Tensor) and weight.dtype is torch.float32
@@ -111,6 +182,9 @@ def prepack_linears(model: nn.Module, gemm_dtype: torch.dtype = torch.float32) -
             weight.detach().contiguous().to(gemm_dtype), PACK_ROWS_HINT)
         module.prepacked = (packed, weight.data_ptr(), gemm_dtype, tiles)
         added += tiles.numel() * 2 if tiles is not None else weight.numel() * gemm_dtype.itemsize
+        del weight
+        if free_float:
+            _free_float_weight(module, holders)
     return added
 
 
@@ -119,7 +193,7 @@ def linear(layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> O
     is stale, the CPU fast paths are off, torch.compile is tracing, or autograd records the
     call (oneDNN's op has no backward: the gradient would stop there without an error)."""
     entry = getattr(layer, "prepacked", None)
-    if (entry is None or entry[1] != layer.weight.data_ptr() or cpu_ops.tracing()
+    if (entry is None or not _fresh(layer, entry) or cpu_ops.tracing()
             or (x.requires_grad and torch.is_grad_enabled())
             or x.dim() != 2 or x.dtype is not torch.float32 or x.is_cuda
             or (bias is not None and bias.dtype is not torch.float32)):

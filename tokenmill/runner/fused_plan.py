@@ -112,11 +112,13 @@ def _linear_desc(lin: nn.Module) -> Optional[tuple[list[int], object]]:
     if lin.bias is not None and not _vector_ok(lin.bias, lin.out_features):
         return None
     if type(method) is UnquantizedLinearMethod:
+        tiles = prepacked.bf16_tiles(lin)   # bf16 mode: field 7 = its tiles, which every step takes
+        bf16 = [0, tiles.data_ptr()] if tiles is not None else []
+        if prepacked.tiles_only(lin):   # no float32 weight left (pinned: still none)
+            return _one_part([-1, 0, 0, 0, 0, tiles.shape[0] * 16] + bf16), None
         w = getattr(lin, "weight", None)
         if not (is_fp32_cpu(w) and w.is_contiguous()):
             return None
-        tiles = prepacked.bf16_tiles(lin)   # bf16 mode: field 7 = its tiles, which every step takes
-        bf16 = [0, tiles.data_ptr()] if tiles is not None else []
         return _one_part([-1, w.data_ptr(), 0, 0, 0, w.shape[0]] + bf16), w
     if type(method) is HalfWeightMethod:   # 16-bit weight: kind -3, its value type in field 2
         w = getattr(lin, "weight", None)

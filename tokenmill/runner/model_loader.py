@@ -36,7 +36,8 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     (layers/prepacked.py), and packed int8 / int4 linears with q8 activations a tiled copy
     for the tiled q8 GEMM (layers/quant/qgemm.py); ``model.prepacked_bytes`` says what it added.
     ``cpu_gemm_dtype``: float32 (the oneDNN copy), or bfloat16 on AVX-512 BF16 CPUs (a tiled bf16
-    copy that every matmul of the linear takes).
+    copy that every matmul of the linear takes; it replaces the float32 weight, except a tied
+    head's, which the embedding reads).
     ``tp``: this rank's tensor-parallel group; each parameter loads only its piece (safetensors
     are read lazily, slice by slice). ``expert_parallel``: an MoE model's experts are split
     whole over the ranks of ``tp``. ``triton_kernels``: norms, RoPE and gated activations
@@ -63,8 +64,9 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     set_quant_activations(model, quant_activations)
     set_cpu_kernels(model, cpu_kernels and not triton_kernels)
     set_triton_kernels(model, triton_kernels)
-    model.prepacked_bytes = prepack_linears(model, cpu_gemm_dtype) + tile_packed_linears(model) \
-        if cpu_weight_prepack and not triton_kernels else 0
+    # bf16 mode: the tiles are all a linear's matmuls read, its float32 weight goes
+    model.prepacked_bytes = prepack_linears(model, cpu_gemm_dtype, free_float=cpu_gemm_dtype is torch.bfloat16) \
+        + tile_packed_linears(model) if cpu_weight_prepack and not triton_kernels else 0
     model.quantization_method = spec.method   # what runs (a checkpoint's own scheme too)
     model.eval()
     release_free_heap()   # the load's freed temporaries still hold heap pages

@@ -102,7 +102,7 @@ class RankWorker:
         """Build this rank's shard (from ``checkpoint`` when the caller has it open)."""
         from tokenmill.engine.stats import module_bytes
         from tokenmill.layers.quant.qgemm import tiled_only_bytes
-        from tokenmill.layers import native
+        from tokenmill.layers import native, prepacked
         from tokenmill.layers.attention.base import resolve_backend_name
         from tokenmill.models.loader import open_checkpoint
         from tokenmill.runner.model_loader import build_model
@@ -124,7 +124,8 @@ class RankWorker:
         a = self.model.args
         return RankInfo(rank=s.rank, vocab_size=a.vocab_size, num_layers=a.num_hidden_layers,
                         head_dim=a.head_dim, num_kv_heads=self.model.num_kv_heads,
-                        weight_bytes=module_bytes(self.model) + tiled_only_bytes(self.model),
+                        weight_bytes=module_bytes(self.model) + tiled_only_bytes(self.model)
+                        + prepacked.tiles_only_bytes(self.model),
                         prepacked_bytes=self.model.prepacked_bytes,
                         quantization_method=self.model.quantization_method,
                         layer_windows=tuple(getattr(a, "sliding_windows", ()) or ()))

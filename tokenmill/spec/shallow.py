@@ -14,9 +14,13 @@ def save_shallow_copy(model, num_layers: int, path: str) -> str:
     """Write config.json + model.safetensors for the first ``num_layers`` layers of a
     tokenmill Llama-family model; fused projections are split back to checkpoint names."""
     from safetensors.torch import save_file
+    from tokenmill.layers import prepacked
     a = model.args
     if not 1 <= num_layers <= a.num_hidden_layers:
         raise ValueError(f"num_layers must be in [1, {a.num_hidden_layers}], got {num_layers}")
+    if any(prepacked.tiles_only(m) for m in model.modules()):
+        raise ValueError("this model runs in bf16 mode, which keeps only bf16 tiles of its "
+                         "weights: load it with cpu_gemm_dtype='float32' to save a copy")
     tensors = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if name.startswith("model.layers.") and int(name.split(".")[2]) >= num_layers:
