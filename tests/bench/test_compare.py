@@ -150,3 +150,21 @@ def test_context_goals_pair_llamacpp_with_its_tokenmill_row():
     assert tm["decode_x_floor"] == round(40e9 / (5 * 10**7 + 10**4 * (512 + 32)) / 150.0, 2)
     with pytest.raises(ValueError):
         compare_contexts.parse("512,-1")
+
+
+def test_peer_peak_rss_counts_the_processes_it_started():
+    """An engine that computes in a child process (vLLM's engine core) is measured whole:
+    the peer's peak RSS adds each live descendant's high-water mark to its own."""
+    import subprocess
+    import sys
+    from tokenmill.bench.peers.__main__ import _vm_hwm, peak_rss_bytes
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time; b = bytearray(160 << 20); "
+                              "print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        total, children = peak_rss_bytes()
+        assert children >= 1
+        assert total >= _vm_hwm("self") + (150 << 20)
+    finally:
+        child.kill()
+        child.wait()

@@ -1,7 +1,8 @@
 """`tokenmill bench compare`: tokenmill and its peers (HF transformers, llama.cpp, vLLM) on the
 same prompts, settings and weights, in one invocation. Each engine runs in its own process
-(python -m tokenmill.bench.peers), one after the other, so its peak RSS is its own (VmHWM,
-read by the process itself); every engine is timed by the same routine on the same token ids:
+(python -m tokenmill.bench.peers), one after the other, so its peak RSS is its own (VmHWM of
+it and the processes it started, read by the process itself); every engine is timed by the
+same routine on the same token ids:
 
 - decode_tok_s: batch-1 decode (output_len greedy tokens after the first; median of repeats);
 - prefill_tok_s: a prompt of --prefill-len tokens to its first token, alone;
@@ -9,7 +10,8 @@ read by the process itself); every engine is timed by the same routine on the sa
   (tokenmill and llama.cpp: continuous batching; transformers: static generate batches);
 - greedy_agreement: fraction of prompts whose first output_len greedy tokens equal tokenmill
   fp32's (mean_agreeing_prefix: the mean fraction of tokens before the first difference);
-- peak_rss_bytes: the engine process's peak resident memory.
+- peak_rss_bytes: the engine's peak resident memory: its process's, plus that of the
+  processes it started (vLLM's engine core; ``peak_rss_children`` says how many).
 
 With --rounds N every engine runs N times, the rounds interleaved, and each measure is the
 median over rounds (each round's value kept under "rounds").
