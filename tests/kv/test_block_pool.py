@@ -29,10 +29,31 @@ def test_double_free_raises():
 def test_eviction_order_is_least_recently_freed_first():
     pool = BlockPool(3)
     a, b, c = pool.allocate(3)
+    for i, block in enumerate((a, b, c)):
+        pool.publish(block, hash_block(None, [i]))
     pool.free([c])
     pool.free([a])
     pool.free([b])
     assert [x.block_id for x in pool.allocate(3)] == [c.block_id, a.block_id, b.block_id]
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_block_without_cached_content_is_reused_first(caching):
+    """Reusing a freed block that caches nothing evicts nothing and touches no new memory:
+    it comes before never-used blocks and before cached ones (a run with caching off then
+    keeps reusing the blocks it already touched instead of walking the whole pool)."""
+    pool = BlockPool(6, enable_caching=caching)
+    cached, plain, other = pool.allocate(3)            # blocks 3.. 5 never used yet
+    pool.publish(cached, hash_block(None, [1, 2]))
+    pool.free([cached, plain])
+    pool.free([other])
+    again = pool.allocate(2)
+    assert [b.block_id for b in again] == [other.block_id, plain.block_id]
+    assert pool.lookup(hash_block(None, [1, 2])) is (cached if caching else None)
+    pool.free(again)
+    for _ in range(20):                                 # a long run of short requests
+        pool.free(pool.allocate(2))
+    assert {b.block_id for b in pool.allocate(2)} == {other.block_id, plain.block_id}
 
 
 def test_cached_block_survives_free_until_evicted():

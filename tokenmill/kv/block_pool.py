@@ -2,7 +2,11 @@
 
 Pure Python. A block is *free* when no running request holds it (ref_cnt == 0). A free block
 may still carry a cached prefix (its ``block_hash``): it stays findable until the pool needs it
-and evicts it. Free blocks wait in an eviction-ordered queue: least recently freed first.
+and evicts it. Free blocks wait in an eviction-ordered queue: least recently freed first. A
+freed block with no cached prefix (every block when caching is off, a request's partly
+filled last block when it is on) goes to the front instead: reusing it evicts nothing, and
+its memory is already resident, where a never-used block would be touched for the first time
+(the process's RSS would grow toward the whole pool over a long run).
 """
 from __future__ import annotations
 
@@ -62,11 +66,15 @@ class FreeBlockQueue:
             self.append(block)
 
     def append(self, block: KVCacheBlock) -> None:
-        last = self._tail.prev_free
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
+        self._insert_after(self._tail.prev_free, block)
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        self._insert_after(self._head, block)
+
+    def _insert_after(self, prev: KVCacheBlock, block: KVCacheBlock) -> None:
+        block.prev_free, block.next_free = prev, prev.next_free
+        prev.next_free.prev_free = block
+        prev.next_free = block
         self.num_free += 1
 
     def remove(self, block: KVCacheBlock) -> None:
@@ -138,13 +146,17 @@ class BlockPool:
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference each. Pass blocks in eviction order (first = evicted first)."""
+        """Drop one reference each. Pass blocks in eviction order (first = evicted first);
+        a block without a cached prefix is reused before any other."""
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of KV block {block.block_id}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_queue.append(block)
+                if block.block_hash is None:
+                    self.free_queue.appendleft(block)
+                else:
+                    self.free_queue.append(block)
 
     def publish(self, block: KVCacheBlock, key: BlockHash) -> None:
         """Make a fully computed block findable by its content key."""
