@@ -157,14 +157,15 @@ def test_peer_peak_rss_counts_the_processes_it_started():
     the peer's peak RSS adds each live descendant's high-water mark to its own."""
     import subprocess
     import sys
-    from tokenmill.bench.peers.__main__ import _vm_hwm, peak_rss_bytes
+    from tokenmill.bench.peers.__main__ import peak_rss_bytes
+    from tokenmill.bench.proc_memory import vm_hwm
     child = subprocess.Popen([sys.executable, "-c", "import sys, time; b = bytearray(160 << 20); "
                               "print('up', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "up"
         total, children = peak_rss_bytes()
         assert children >= 1
-        assert total >= _vm_hwm("self") + (150 << 20)
+        assert total >= vm_hwm("self") + (150 << 20)
     finally:
         child.kill()
         child.wait()

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from http.client import HTTPConnection, HTTPSConnection
 from typing import Optional
 
+from tokenmill.bench.proc_memory import tree_peak_rss
 from tokenmill.bench.report import Chart, add_output_args, progress, write_report
 
 _WORDS = ("time year people way day man thing woman life child world school state family "
@@ -248,6 +249,10 @@ def run(args) -> int:
     with progress(len(prompts), "bench serve", getattr(args, "progress", True)) as bar:
         results, duration = run_load(args, prompts, bar)
     summary = summarize(results, duration, args)
+    if getattr(args, "server_pid", None):   # a local server: its memory, child processes too
+        peak, children = tree_peak_rss(args.server_pid)
+        summary["server_peak_rss_mb"] = round(peak / 2**20, 1) if peak else None
+        summary["server_processes"] = 1 + children if peak else 0
     print(json.dumps(summary, indent=2))
     if args.output_json:
         with open(args.output_json, "w") as f:
@@ -296,6 +301,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--output-json", default=None, help="write summary + per-request results")
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="a local server's process id: report its peak RSS (with the processes "
+                        "it started, such as vLLM's engine core) after the load")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

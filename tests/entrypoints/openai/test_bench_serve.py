@@ -1,11 +1,13 @@
 """`tokenmill bench serve` against a live server: every request completes, the numbers that
 must exist do, and the JSON file holds one record per request."""
 import json
+import os
 
 import pytest
 
 from tests.entrypoints.openai.conftest import MODEL_NAME
 from tokenmill.bench import serve as bench_serve
+from tokenmill.bench.proc_memory import vm_hwm
 
 pytestmark = pytest.mark.e2e
 
@@ -16,7 +18,8 @@ def test_bench_serve_reports(server, tmp_path, capsys, mode):
     out = tmp_path / "bench.json"
     rc = bench_serve.main(["--base-url", server.url + "/v1", "--model-name", MODEL_NAME,
                            "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
-                           "--slo-ttft-ms", "600000", "--output-json", str(out), *mode])
+                           "--slo-ttft-ms", "600000", "--output-json", str(out),
+                           "--server-pid", str(os.getpid()), *mode])   # the server runs in this process
     assert rc == 0
     summary = json.loads(out.read_text())["summary"]
     assert summary["completed"] == 3 and summary["failed"] == 0
@@ -25,6 +28,8 @@ def test_bench_serve_reports(server, tmp_path, capsys, mode):
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         assert summary[key]["p50"] is not None and summary[key]["p99"] >= summary[key]["p50"]
     assert json.loads(capsys.readouterr().out)["completed"] == 3
+    assert summary["server_processes"] >= 1
+    assert summary["server_peak_rss_mb"] >= vm_hwm("self") / 2**20 > 100   # the model is loaded
 
 
 def test_bench_serve_counts_errors(server):

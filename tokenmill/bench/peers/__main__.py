@@ -7,10 +7,8 @@ engine is timed on exactly the same tokens by this one routine. RESULT gets the 
 run's value, the greedy tokens of the throughput run (for output agreement), the load average
 and the peak RSS of this process and every process it started that is still alive when the
 measurement ends (an engine that computes in a child, as vLLM's engine core does, is counted
-whole): the sum of their VmHWM (/proc/PID/status). VmHWM counts only that program's memory
-(getrusage's ru_maxrss would also count the parent's pages as they were at fork, since Linux
-carries the pre-exec high-water mark over exec). Only the standard library is imported here;
-the adapter brings what its engine needs.
+whole: tokenmill.bench.proc_memory). Only the standard library is imported here; the adapter
+brings what its engine needs.
 """
 from __future__ import annotations
 
@@ -26,48 +24,15 @@ def _load_avg() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def _vm_hwm(pid: str) -> int:
-    """A process's peak resident bytes (VmHWM); 0 if it is gone or unreadable."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-def descendants(pid: int) -> list[int]:
-    """The live processes below ``pid`` (children, their children, ...), from /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])   # field 4, after the name
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
 def peak_rss_bytes() -> tuple[int, int]:
-    """(peak RSS of this process plus its live descendants, how many of them counted). The
-    sum of each one's peak: an upper bound of their simultaneous peak."""
-    own = _vm_hwm("self")
-    if not own:
-        import resource   # not Linux: the best there is, this process alone
-        scale = 1 if sys.platform == "darwin" else 1024
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale, 0
-    children = [c for c in descendants(os.getpid()) if _vm_hwm(str(c))]
-    return own + sum(_vm_hwm(str(c)) for c in children), len(children)
+    """(peak RSS of this process plus its live descendants, how many of them counted)."""
+    from tokenmill.bench.proc_memory import tree_peak_rss
+    total, children = tree_peak_rss(os.getpid())
+    if total:
+        return total, children
+    import resource   # not Linux: the best there is, this process alone
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale, 0
 
 
 def _bar(total: int, desc: str, enabled: bool):
