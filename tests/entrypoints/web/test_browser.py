@@ -2,6 +2,7 @@
 real server and engine: tokens arrive and Stop makes the server count an abort; the
 dashboard's counters move under load and return to idle; with an API key the pages work only
 after the key is typed, and the key never lands in the URL or the HTML; no CSP violations."""
+import contextlib
 import json
 import os
 import re
@@ -102,8 +103,26 @@ def reply_text(page) -> str:
     return page.locator(".reply .content").last.text_content() or ""
 
 
+@contextlib.contextmanager
+def slowed(engine, seconds: float):
+    """Each engine step takes at least ``seconds`` more: a reply of many tokens then surely
+    still streams when the test acts on it (the tiny model writes 1900 tokens in ~2 s, which
+    a loaded CI box's browser could let pass before Stop is clicked)."""
+    def add_delay(e):
+        execute = e.runner.execute
+        def slow(*args, **kwargs):
+            time.sleep(seconds)
+            return execute(*args, **kwargs)
+        e.runner.execute = slow
+    engine.call(add_delay).result(10)
+    try:
+        yield
+    finally:
+        engine.call(lambda e: e.runner.__dict__.pop("execute", None)).result(10)
+
+
 def test_playground_streams_and_stop_aborts_on_server(web_engine, page):
-    with serve(web_engine) as server:
+    with serve(web_engine) as server, slowed(web_engine, 0.01):
         problems = watch_csp(page)
         page.goto(server.url + "/")
         page.wait_for_selector("body[data-ready='1']")
