@@ -76,15 +76,14 @@ def tiles_only(layer: nn.Module) -> bool:
     return entry is not None and entry[1] is None and bf16_tiles(layer) is not None
 
 
-def dense_weight(layer: nn.Module) -> torch.Tensor:
-    """The layer's weight as a float32 [N, K] matrix: its own, or read back from its tiles
-    (the bf16-rounded values, exactly) when bf16 mode freed it."""
+def dense_weight(layer: nn.Module) -> Optional[torch.Tensor]:
+    """The layer's weight as a plain [N, K] matrix: its own (None if it has none, e.g. a
+    packed one), or read back from its tiles (the bf16-rounded values, exactly, in float32)
+    when bf16 mode freed it."""
     weight = getattr(layer, "weight", None)
-    if weight is not None:
+    if weight is not None or not tiles_only(layer):
         return weight
     tiles = bf16_tiles(layer)
-    if tiles is None:
-        raise ValueError("a linear without a weight: neither a float32 weight nor bf16 tiles")
     n_tiles, half_k = tiles.shape[0], tiles.shape[1]
     return tiles.permute(0, 2, 1, 3).reshape(n_tiles * 16, half_k * 2).float()
 
@@ -119,18 +118,17 @@ def _parameter_holders(model: nn.Module) -> dict[int, int]:
     return holders
 
 
-def _free_float_weight(module: nn.Module, holders: dict[int, int]) -> int:
+def _free_float_weight(module: nn.Module, holders: dict[int, int]) -> None:
     """bf16 mode: free the float32 weight of a linear whose matmuls all take its tiles,
     unless another parameter shares its memory (a tied head's embedding table, which the
-    embedding reads); returns the bytes freed."""
+    embedding reads)."""
     weight = getattr(module, "weight", None)
     if bf16_tiles(module) is None or not isinstance(weight, torch.Tensor) \
             or holders.get(weight.data_ptr()) != 1:
-        return 0
+        return
     _, _, gemm_dtype, tiles = module.prepacked
-    del module.weight   # the module's only reference: the memory goes with it
+    del module.weight, weight   # the only references: the memory goes with them
     module.prepacked = (None, None, gemm_dtype, tiles)
-    return weight.numel() * weight.element_size()
 
 
 def c_kernel_rows(layer: nn.Module) -> int:

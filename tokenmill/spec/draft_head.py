@@ -16,9 +16,7 @@ from tokenmill.layers import cpu_ops, prepacked
 class DraftHead:
     def __init__(self, target, token_ids: Optional[torch.Tensor]) -> None:
         self.target = target
-        w = getattr(target.lm_head, "weight", None)
-        if w is None and prepacked.tiles_only(target.lm_head):   # bf16 mode freed it
-            w = prepacked.dense_weight(target.lm_head)
+        w = prepacked.dense_weight(target.lm_head)   # bf16 mode: read back from the tiles
         usable = isinstance(w, torch.Tensor) and w.is_floating_point()
         if token_ids is not None and usable and token_ids.numel() < w.shape[0]:
             self.token_ids = token_ids.to(device=w.device, dtype=torch.int64)

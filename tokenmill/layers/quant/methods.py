@@ -84,7 +84,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
     def apply(self, layer, x, bias):
         if prepacked.tiles_only(layer):   # bf16 mode freed the float32 weight
-            y = prepacked.linear(layer, x, bias) if self.cpu_kernels and x.dim() == 2 else None
+            y = prepacked.linear(layer, x, bias) if self.cpu_kernels else None
             return y if y is not None else F.linear(x, prepacked.dense_weight(layer), bias)
         if not self.cpu_kernels or x.dim() != 2:
             return F.linear(x, layer.weight, bias)

@@ -11,9 +11,7 @@ import torch.nn.functional as F
 
 def head_weight(target) -> torch.Tensor:
     from tokenmill.layers import prepacked
-    w = getattr(target.lm_head, "weight", None)
-    if w is None and prepacked.tiles_only(target.lm_head):   # bf16 mode: its rounded values
-        w = prepacked.dense_weight(target.lm_head)
+    w = prepacked.dense_weight(target.lm_head)   # bf16 mode: its rounded values, read back
     if not isinstance(w, torch.Tensor) or not w.is_floating_point():
         raise ValueError("training a drafter needs the target's LM head in floating point; "
                          "load the target without quantization")
