@@ -300,7 +300,7 @@ def test_engine_bf16_mode_without_float_weights_keeps_its_outputs(monkeypatch, t
     runs = {}
     for free in (True, False):
         if not free:
-            monkeypatch.setattr(prepacked, "_free_float_weight", lambda module, holders: 0)
+            monkeypatch.setattr(prepacked, "free_float_weight", lambda module, holders: None)
         llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, cpu_gemm_dtype="bfloat16")
         model = llm.engine.model
         linears = [m for m in model.modules() if isinstance(m, Linear)]
@@ -316,3 +316,48 @@ def test_engine_bf16_mode_without_float_weights_keeps_its_outputs(monkeypatch, t
     tiles = runs[True][4]
     assert runs[True][3] == runs[False][3] - 2 * tiles      # float32: twice the tiles' bytes
     assert runs[True][2] == runs[False][2] - 2 * tiles + tiles
+
+
+@needs_bf16
+def test_bf16_mode_tied_embedding_reads_the_head_tiles(monkeypatch, tmp_path):
+    """A tied model in bf16 mode keeps no float32 table: the embedding's rows are the head's
+    tiles read back (the table rounded to bf16), and greedy tokens and logprobs equal the
+    same mode with the float32 table kept but rounded to bf16; the weights shrink by the
+    table's float32 bytes."""
+    from tests.conftest import save_tiny_llama
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.layers.quant.embedding import TiledEmbedding
+    from tokenmill.runner import model_loader
+    save_tiny_llama(tmp_path, tie_word_embeddings=True)
+    prompts = [{"prompt_token_ids": list(range(3 + i, 40 + 9 * i))} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    runs, tables = {}, []
+    real_share = model_loader.share_tiled_head_with_embedding
+
+    def share_and_watch(model):          # keeps a handle on the table the two shared
+        tables.append(model.model.embed_tokens.weight)
+        return real_share(model)
+    monkeypatch.setattr(model_loader, "share_tiled_head_with_embedding", share_and_watch)
+    for share in (True, False):
+        if not share:
+            def round_table(model):      # the rows TiledEmbedding gives, from a float32 table
+                table = model.model.embed_tokens.weight.data
+                table.copy_(table.to(torch.bfloat16).float())
+                return False
+            monkeypatch.setattr(model_loader, "share_tiled_head_with_embedding", round_table)
+        llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, cpu_gemm_dtype="bfloat16")
+        model = llm.engine.model
+        embed, head = model.model.embed_tokens, model.lm_head
+        assert isinstance(embed, TiledEmbedding) is share and prepacked.tiles_only(head) is share
+        if share:
+            assert tables[0].numel() == 0        # the float32 table's memory is gone
+            ids = torch.tensor([[0, 17, 383], [5, 5, 200]])
+            assert torch.equal(embed(ids), prepacked.dense_weight(head)[ids])
+            with pytest.raises(IndexError):
+                embed(torch.tensor([384]))
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[share] = ([o.outputs[0].token_ids for o in outs],
+                       [[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs],
+                       llm.engine.get_memory_stats()["model_weights"])
+    assert runs[True][:2] == runs[False][:2]
+    assert runs[True][2] == runs[False][2] - 384 * 64 * 4

@@ -19,8 +19,9 @@ its outputs to bf16) and the float32 kernel below. A layer whose weight tensor i
 after packing falls back to F.linear until ``prepack_linears`` runs again.
 
 In bf16 mode the tiles are all a layer's matmuls read, so ``prepack_linears`` frees
-the float32 weight of every tiled layer that does not share it (a tied head keeps the
-embedding's table): the tiles then hold the layer's values (bf16-rounded), and the paths
+the float32 weight of every tiled layer that does not share it (a tied head's goes once
+the embedding reads its rows from the head's tiles, quant/embedding.py's TiledEmbedding):
+the tiles then hold the layer's values (bf16-rounded), and the paths
 that need a plain matrix (autograd, torch.compile, kernels switched off) read it back from
 them (``dense_weight``). The model's weights then take 2 bytes a value, not 6.
 """
@@ -108,7 +109,7 @@ def tiles_only_bytes(model: nn.Module) -> int:
     return sum(bf16_tiles(m).nbytes for m in model.modules() if tiles_only(m))
 
 
-def _parameter_holders(model: nn.Module) -> dict[int, int]:
+def parameter_holders(model: nn.Module) -> dict[int, int]:
     """Data address -> how many parameter slots (over all modules) hold it: 2+ is shared."""
     holders: dict[int, int] = {}
     for module in model.modules():
@@ -118,7 +119,7 @@ def _parameter_holders(model: nn.Module) -> dict[int, int]:
     return holders
 
 
-def _free_float_weight(module: nn.Module, holders: dict[int, int]) -> None:
+def free_float_weight(module: nn.Module, holders: dict[int, int]) -> None:
     """bf16 mode: free the float32 weight of a linear whose matmuls all take its tiles,
     unless another parameter shares its memory (a tied head's embedding table, which the
     embedding reads)."""
@@ -160,7 +161,7 @@ def prepack_linears(model: nn.Module, gemm_dtype: torch.dtype = torch.float32,
     ``gemm_dtype`` (float32 or bfloat16); returns the bytes added (0 when oneDNN is
     missing). A tied head shares its tensor with the embedding, so the head is packed like
     any other weight. ``free_float`` (bf16 mode): a layer's float32 weight is freed as soon
-    as its tiles exist (not shared, see _free_float_weight), so the load never holds both
+    as its tiles exist (not shared, see free_float_weight), so the load never holds both
     copies of the whole model."""
     check_gemm_dtype(gemm_dtype)
     from tokenmill.layers.linear import Linear
@@ -168,7 +169,7 @@ def prepack_linears(model: nn.Module, gemm_dtype: torch.dtype = torch.float32,
     if not available():
         return 0
     added = 0
-    holders = _parameter_holders(model) if free_float else {}
+    holders = parameter_holders(model) if free_float else {}
     for module in list(model.modules()):
         weight = getattr(module, "weight", None)
         if not (isinstance(module, Linear) and isinstance(module.quant_method, UnquantizedLinearMethod)
@@ -182,7 +183,7 @@ def prepack_linears(model: nn.Module, gemm_dtype: torch.dtype = torch.float32,
         added += tiles.numel() * 2 if tiles is not None else weight.numel() * gemm_dtype.itemsize
         del weight
         if free_float:
-            _free_float_weight(module, holders)
+            free_float_weight(module, holders)
     return added
 
 

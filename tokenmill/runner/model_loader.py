@@ -13,7 +13,8 @@ from tokenmill.layers.prepacked import prepack_linears
 from tokenmill.layers.quant import (attach_quantization, checkpoint_tensors,
                                     process_weights_after_loading, resolve_quant_spec)
 from tokenmill.layers.quant.embedding import (share_half_head_with_embedding,
-                                              share_packed_head_with_embedding)
+                                              share_packed_head_with_embedding,
+                                              share_tiled_head_with_embedding)
 from tokenmill.layers.quant.methods import set_quant_activations
 from tokenmill.layers.quant.qgemm import tile_packed_linears
 from tokenmill.models.registry import model_class
@@ -36,8 +37,8 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     (layers/prepacked.py), and packed int8 / int4 linears with q8 activations a tiled copy
     for the tiled q8 GEMM (layers/quant/qgemm.py); ``model.prepacked_bytes`` says what it added.
     ``cpu_gemm_dtype``: float32 (the oneDNN copy), or bfloat16 on AVX-512 BF16 CPUs (a tiled bf16
-    copy that every matmul of the linear takes; it replaces the float32 weight, except a tied
-    head's, which the embedding reads).
+    copy that every matmul of the linear takes; it replaces the float32 weight, and a tied
+    embedding reads its rows from the head's tiles).
     ``tp``: this rank's tensor-parallel group; each parameter loads only its piece (safetensors
     are read lazily, slice by slice). ``expert_parallel``: an MoE model's experts are split
     whole over the ranks of ``tp``. ``triton_kernels``: norms, RoPE and gated activations
@@ -64,9 +65,13 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     set_quant_activations(model, quant_activations)
     set_cpu_kernels(model, cpu_kernels and not triton_kernels)
     set_triton_kernels(model, triton_kernels)
-    # bf16 mode: the tiles are all a linear's matmuls read, its float32 weight goes
-    model.prepacked_bytes = prepack_linears(model, cpu_gemm_dtype, free_float=cpu_gemm_dtype is torch.bfloat16) \
+    # bf16 mode: the tiles are all a linear's matmuls read, its float32 weight goes (a tied
+    # head's too: the embedding then reads its rows from the head's tiles)
+    bf16_mode = cpu_gemm_dtype is torch.bfloat16
+    model.prepacked_bytes = prepack_linears(model, cpu_gemm_dtype, free_float=bf16_mode) \
         + tile_packed_linears(model) if cpu_weight_prepack and not triton_kernels else 0
+    if bf16_mode:
+        share_tiled_head_with_embedding(model)
     model.quantization_method = spec.method   # what runs (a checkpoint's own scheme too)
     model.eval()
     release_free_heap()   # the load's freed temporaries still hold heap pages

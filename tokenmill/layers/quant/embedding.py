@@ -138,6 +138,50 @@ def share_half_head_with_embedding(model: nn.Module) -> bool:
     return True
 
 
+class TiledEmbedding(nn.Module):
+    """Rows of a tied head's bf16 tiles (bf16 mode, ``prepacked.bf16_tiles``), widened to
+    float32. Every matmul of the head reads its tiles, so a float32 table kept only for row
+    lookups would be the biggest tensor held twice (Gemma3-270m: 671 MB next to 335 MB of
+    tiles). The rows are the bf16-rounded values, as the head multiplies them."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        from tokenmill.layers import prepacked
+        self._head = [head]   # a list: the head stays the model's submodule, not this one's
+        tiles = prepacked.bf16_tiles(head)
+        self.num_embeddings, self.embedding_dim = tiles.shape[0] * 16, tiles.shape[1] * 2
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:   # [T] -> [T, hidden] fp32
+        from tokenmill.layers import prepacked
+        tiles = prepacked.bf16_tiles(self._head[0])   # [N / 16, K / 2, 16, 2]
+        ids = input_ids.reshape(-1)
+        if ids.numel() and not 0 <= int(ids.min()) <= int(ids.max()) < self.num_embeddings:
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        rows = tiles[ids // 16, :, ids % 16]                     # [T, K / 2, 2]
+        return rows.reshape(*input_ids.shape, self.embedding_dim).float()
+
+
+def share_tiled_head_with_embedding(model: nn.Module) -> bool:
+    """bf16 mode, after ``prepack_linears``: a tied float embedding whose head has bf16
+    tiles reads its rows from them (TiledEmbedding), and the float32 table the two shared
+    is freed; True if done. A tensor-parallel rank keeps its vocab-parallel embedding."""
+    from tokenmill.layers import prepacked
+    inner = getattr(model, "model", None)
+    head = getattr(model, "lm_head", None)
+    embed = getattr(inner, "embed_tokens", None)
+    if not (getattr(model, "args", None) is not None and model.args.tie_word_embeddings
+            and isinstance(embed, nn.Embedding) and head is not None
+            and getattr(head, "weight", None) is embed.weight
+            and prepacked.bf16_tiles(head) is not None):
+        return False
+    if getattr(embed, "tp", None) is not None and embed.tp.is_parallel:
+        return False
+    inner.embed_tokens = TiledEmbedding(head)
+    prepacked.free_float_weight(head, prepacked.parameter_holders(model))   # now its only holder
+    _free_table(embed)
+    return True
+
+
 def _free_table(embed: nn.Module) -> None:
     """Release a replaced embedding's float table now: its parameter holds the module's
     bound weight_loader, a reference cycle that only the cycle collector would break."""
