@@ -5,12 +5,14 @@ import pytest
 
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.layers import native
 from tests.distributed.test_tensor_parallel import run, same_outputs
 from tests.models.test_moe_architectures import build_tiny_moe
 
 
-def make_engine(model, tp, expert_parallel=False, quantization=None, **parallel):
-    cfg = EngineConfig(model=ModelConfig(model=model, skip_tokenizer_init=True, quantization=quantization),
+def make_engine(model, tp, expert_parallel=False, quantization=None, cpu_gemm_dtype="float32", **parallel):
+    cfg = EngineConfig(model=ModelConfig(model=model, skip_tokenizer_init=True, quantization=quantization,
+                                         cpu_gemm_dtype=cpu_gemm_dtype),
                        cache=CacheConfig(block_size=4, num_kv_blocks=64),
                        parallel=ParallelConfig(tensor_parallel_size=tp,
                                                enable_expert_parallel=expert_parallel, **parallel))
@@ -56,17 +58,23 @@ def test_split_moe_matches_one_process(moe_dir, single, expert_parallel):
     assert max(weights) < 0.75 * sum(weights)   # nobody holds the whole model
 
 
-@pytest.mark.parametrize("quantization", [None, "int8", "int4-g32"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4-g32", "bf16-mode"])
 def test_hot_expert_replicas_change_no_token(moe_dir, single, quantization):
     """Each layer's hottest expert copied onto both ranks every 3 steps: the same tokens
-    (float, and int8 experts quantized as at load), the replicated experts' pairs split."""
+    (float, int8 experts quantized as at load, bf16 mode's replicas on bf16 tiles like their
+    owners), the replicated experts' pairs split."""
     name, path = moe_dir
     # one architecture per scheme; int4 on Mixtral, whose row-split inputs stay multiples of
     # int4's 32-wide blocks at TP=2 (else that layer falls back to int8 on the ranks only)
-    if quantization and name != {"int8": "qwen2_moe", "int4-g32": "mixtral"}[quantization]:
+    if quantization and name != {"int8": "qwen2_moe", "int4-g32": "mixtral", "bf16-mode": "qwen2_moe"}[quantization]:
         pytest.skip("one architecture per quantized layout")
-    expected = single[0] if quantization is None else run(make_engine(path, 1, quantization=quantization))
-    engine = make_engine(path, 2, expert_parallel=True, quantization=quantization,
+    gemm = "bfloat16" if quantization == "bf16-mode" else "float32"
+    if gemm == "bfloat16" and not native.has_avx512_bf16():
+        pytest.skip("CPU without AVX-512 BF16")
+    quantization = None if gemm == "bfloat16" else quantization
+    expected = single[0] if quantization is None and gemm == "float32" else \
+        run(make_engine(path, 1, quantization=quantization, cpu_gemm_dtype=gemm))
+    engine = make_engine(path, 2, expert_parallel=True, quantization=quantization, cpu_gemm_dtype=gemm,
                          replicate_hot_experts=1, expert_rebalance_interval=3)
     try:
         engine.reset_expert_load()

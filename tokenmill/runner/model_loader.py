@@ -90,7 +90,7 @@ class _ReplicaHolder(nn.Module):
 
 def load_expert_replicas(model: nn.Module, checkpoint, plan: list, dtype: torch.dtype,
                          quantization: Optional[str], quant_activations: str, cpu_kernels: bool,
-                         cpu_weight_prepack: bool) -> None:
+                         cpu_weight_prepack: bool, cpu_gemm_dtype: torch.dtype = torch.float32) -> None:
     """Expert parallel: make MoE layer i hold ``plan[i]`` (expert ids) on this rank too, their
     weights read from ``checkpoint`` and prepared as at load time (quantization, kernels,
     prepacked copies); earlier replicas not in the plan are dropped."""
@@ -127,6 +127,7 @@ def load_expert_replicas(model: nn.Module, checkpoint, plan: list, dtype: torch.
         process_weights_after_loading(holder)
         set_quant_activations(holder, quant_activations)
         set_cpu_kernels(holder, cpu_kernels)
-        if cpu_weight_prepack:
-            added += prepack_linears(holder) + tile_packed_linears(holder)
+        if cpu_weight_prepack:   # as at load: bf16 mode's replicas multiply on bf16 tiles too
+            added += prepack_linears(holder, cpu_gemm_dtype, free_float=cpu_gemm_dtype is torch.bfloat16) \
+                + tile_packed_linears(holder)
     model.prepacked_bytes += added

@@ -198,7 +198,8 @@ class RankWorker:
             from tokenmill.runner.model_loader import load_expert_replicas
             s = self.spec
             load_expert_replicas(self.model, self.checkpoint, payload, _dtype(s.dtype), s.quantization,
-                                 s.quant_activations, s.cpu_kernels, s.cpu_weight_prepack)
+                                 s.quant_activations, s.cpu_kernels, s.cpu_weight_prepack,
+                                 _dtype(s.cpu_gemm_dtype))
             return True
         raise ValueError(f"unknown worker request {kind!r}")
 
