@@ -1,7 +1,6 @@
 """b8 adaptive diagnosis: none vs ngram-k3 vs adaptive vs forced k=0, per-step times."""
-import sys, time, statistics, dataclasses
+import sys, time, statistics
 from tokenmill import LLM, SamplingParams
-from tokenmill.config import SpeculativeConfig
 from tokenmill.spec.decoder import build_spec_decoder
 from tokenmill.spec.adaptive import FixedK
 from tokenmill.spec import bench as B
