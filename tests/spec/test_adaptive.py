@@ -207,3 +207,27 @@ def test_one_spike_is_clipped_and_a_second_in_a_row_counts_whole():
     assert not arm.clipped and arm.seconds / arm.rows > 0.02
     controller.record(1, 0, 0.010)   # back to normal: nothing clipped
     assert not arm.clipped
+
+
+def test_re_measurements_are_paced_by_the_buckets_own_steps():
+    """A bucket visited now and then (a few steps of batch 16 between long stretches of
+    batch 1) re-measures its losing arms as rarely as a bucket that runs all the time:
+    intervals count that bucket's steps, not every step. Counted in all steps, each visit
+    found every interval elapsed and re-measured a loser at once (a quarter of its steps)."""
+    rng = random.Random(0)
+    ctl = AdaptiveK(4)
+
+    def run(batch, cost, alpha, steps):
+        chosen = []
+        for _ in range(steps):
+            k, _ = ctl.choose(batch)
+            ctl.record(batch, k, cost(batch, k), verdicts(rng, alpha, batch, k) if k else [])
+            chosen.append(k)
+        return chosen
+
+    run(16, compute_bound, 0.8, 300)                 # batch 16: k = 0 is best
+    revisits = []
+    for _ in range(20):
+        run(1, memory_bound, 0.8, 1100)              # longer than any interval
+        revisits += run(16, compute_bound, 0.8, 4)
+    assert sum(k > 0 for k in revisits) <= 3, revisits

@@ -18,7 +18,10 @@ A proposer with ``modes`` (prompt lookup with or without its drafter) doubles th
 k), each mode with its own counts, k = 0 shared.
 The best arm is played; the others are re-measured now and then, with an interval that
 doubles each time an arm loses (so a bad k costs a vanishing share of steps, which is what
-keeps speculation within a few percent of no speculation when it does not pay).
+keeps speculation within a few percent of no speculation when it does not pay). Intervals
+count the bucket's own steps: a bucket visited now and then (the tail of a batch, a lull)
+explores as rarely as one that runs all the time, instead of re-measuring a loser on every
+visit, at its first steps, whose costs are not the steady ones.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ class _Arm:
     seconds: float = 0.0       # decayed sum of its steps' seconds
     rows: float = 0.0          # decayed sum of the requests in those steps
     count: int = 0
-    last_step: int = -1
+    last_step: int = -1        # its bucket's step count when it last ran
     interval: int = 8          # steps between re-measurements while not the best
     rate: float = 0.0          # predicted tokens / second
     clipped: bool = False      # its last step counted as a spike (AdaptiveK.SPIKE)
@@ -131,7 +134,7 @@ class AdaptiveK:
         self.warmup, self.max_interval = warmup, max_interval
         self.arms: dict[tuple[int, int, int], _Arm] = {}       # (bucket, mode, k)
         self.acceptance: dict[tuple[int, int], _Acceptance] = {}  # (bucket, mode)
-        self.step = 0
+        self.steps: dict[int, int] = {}   # bucket -> steps chosen in it (intervals count these)
         self._last_bucket = 1
 
     def _arm(self, bucket: int, key: tuple[int, int]) -> _Arm:
@@ -172,8 +175,8 @@ class AdaptiveK:
 
     def choose(self, batch_size: int) -> tuple[int, int]:
         """(k, mode) for the next step."""
-        self.step += 1
         bucket = self._last_bucket = bucket_of(batch_size)
+        step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
         eligible = self._eligible(bucket)
         for key in eligible:                        # measure eligible arms a few times first
             if not self._measured(bucket, key):
@@ -181,8 +184,8 @@ class AdaptiveK:
         best = max(eligible, key=lambda key: self._arm(bucket, key).rate)
         for key in eligible:                        # then re-measure losers, rarely
             arm = self._arm(bucket, key)
-            if key != best and self.step - arm.last_step >= arm.interval:
-                arm.last_step = self.step
+            if key != best and step - arm.last_step >= arm.interval:
+                arm.last_step = step
                 return key[1], key[0]
         return best[1], best[0]
 
@@ -208,7 +211,7 @@ class AdaptiveK:
         arm.seconds = self.TIME_DECAY * arm.seconds + seconds
         arm.rows = self.TIME_DECAY * arm.rows + batch_size
         arm.count += 1
-        arm.last_step = self.step
+        arm.last_step = self.steps.get(bucket, 0)
         if k > 0 and verdicts:
             self._accept(bucket, mode).add(k, verdicts, self.ACCEPT_DECAY)
         for other_key in self._keys():              # new counts move every arm's prediction

@@ -21,10 +21,15 @@ A.drafter = [f"eagle3={drafter}"] if drafter else []
 decs = {"none": None}
 for m in methods:
     force0 = m.startswith("k0_")
-    cfgs = B._configs([m.removeprefix("k0_")], A)
+    old = m.startswith("old_")
+    cfgs = B._configs([m.removeprefix("k0_").removeprefix("old_")], A)
     d = build_spec_decoder(list(cfgs.values())[0], eng.runner, eng.max_model_len, eng.scheduler.kv.num_total_blocks)
     if force0:
         d.controller = FixedK(0)
+    if old:
+        sys.path.insert(0, "/tmp/s")
+        from adaptive_old import AdaptiveK as OldK
+        d.controller = OldK(d.controller.k_max, d.controller.modes)
     decs[m] = d
 steps = []
 orig = eng.step
