@@ -1,4 +1,5 @@
-"""b8 adaptive diagnosis: none vs ngram-k3 vs adaptive vs forced k=0, per-step times."""
+"""b8 adaptive diagnosis: none vs ngram-k3 vs adaptive vs forced k=0 (k0_<method>) vs the
+controller before 2026-12-05f (old_<method>), per-step times."""
 import sys, time, statistics
 from tokenmill import LLM, SamplingParams
 from tokenmill.spec.decoder import build_spec_decoder
@@ -27,7 +28,7 @@ for m in methods:
     if force0:
         d.controller = FixedK(0)
     if old:
-        sys.path.insert(0, "/tmp/s")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # adaptive_old.py: the controller before 2026-12-05f
         from adaptive_old import AdaptiveK as OldK
         d.controller = OldK(d.controller.k_max, d.controller.modes)
     decs[m] = d
