@@ -28,8 +28,12 @@ for m in methods:
     if force0:
         d.controller = FixedK(0)
     if old:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # adaptive_old.py: the controller before 2026-12-05f
-        from adaptive_old import AdaptiveK as OldK
+        import subprocess, types   # the controller before 2026-12-05f, read from git
+        src = subprocess.run(["git", "show", "c1c3739:tokenmill/spec/adaptive.py"], check=True,
+                             capture_output=True, text=True).stdout
+        old_module = sys.modules["adaptive_old"] = types.ModuleType("adaptive_old")
+        exec(compile(src, "adaptive_old.py", "exec"), old_module.__dict__)
+        OldK = old_module.AdaptiveK
         d.controller = OldK(d.controller.k_max, d.controller.modes)
     decs[m] = d
 steps = []
