@@ -55,5 +55,5 @@ def tree_peak_rss(pid: int) -> tuple[int, int]:
     own = vm_hwm(pid)
     if not own:
         return 0, 0
-    children = [c for c in descendants(pid) if vm_hwm(c)]
-    return own + sum(vm_hwm(c) for c in children), len(children)
+    children = [peak for peak in map(vm_hwm, descendants(pid)) if peak]   # each read once
+    return own + sum(children), len(children)

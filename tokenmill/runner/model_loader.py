@@ -67,15 +67,22 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     set_triton_kernels(model, triton_kernels)
     # bf16 mode: the tiles are all a linear's matmuls read, its float32 weight goes (a tied
     # head's too: the embedding then reads its rows from the head's tiles)
-    bf16_mode = cpu_gemm_dtype is torch.bfloat16
-    model.prepacked_bytes = prepack_linears(model, cpu_gemm_dtype, free_float=bf16_mode) \
-        + tile_packed_linears(model) if cpu_weight_prepack and not triton_kernels else 0
-    if bf16_mode:
+    model.prepacked_bytes = _weight_copies(model, cpu_gemm_dtype) \
+        if cpu_weight_prepack and not triton_kernels else 0
+    if cpu_gemm_dtype is torch.bfloat16:
         share_tiled_head_with_embedding(model)
     model.quantization_method = spec.method   # what runs (a checkpoint's own scheme too)
     model.eval()
     release_free_heap()   # the load's freed temporaries still hold heap pages
     return model
+
+
+def _weight_copies(module: nn.Module, cpu_gemm_dtype: torch.dtype) -> int:
+    """The kernels' weight copies of ``module``'s linears (oneDNN's or bf16 mode's tiles for
+    float weights, freeing bf16 mode's float32 ones; tiles for packed q8 ones): the same at
+    load and for expert replicas. Returns the bytes added."""
+    return prepack_linears(module, cpu_gemm_dtype, free_float=cpu_gemm_dtype is torch.bfloat16) \
+        + tile_packed_linears(module)
 
 
 class _ReplicaHolder(nn.Module):
@@ -127,7 +134,6 @@ def load_expert_replicas(model: nn.Module, checkpoint, plan: list, dtype: torch.
         process_weights_after_loading(holder)
         set_quant_activations(holder, quant_activations)
         set_cpu_kernels(holder, cpu_kernels)
-        if cpu_weight_prepack:   # as at load: bf16 mode's replicas multiply on bf16 tiles too
-            added += prepack_linears(holder, cpu_gemm_dtype, free_float=cpu_gemm_dtype is torch.bfloat16) \
-                + tile_packed_linears(holder)
+        if cpu_weight_prepack:
+            added += _weight_copies(holder, cpu_gemm_dtype)
     model.prepacked_bytes += added
