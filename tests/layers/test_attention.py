@@ -116,6 +116,31 @@ def test_metadata_build_slots_and_offsets():
         assert t.dtype == torch.int64
 
 
+@pytest.mark.parametrize("host_tokens", [0, 10**6])
+def test_metadata_host_index_equals_tensor_path(monkeypatch, host_tokens):
+    """Small steps index in plain ints (HOST_INDEX_TOKENS): every tensor, and a KV group's
+    slots (with_tables), equal the tensor path's, whichever path the other side takes."""
+    from tokenmill.layers.attention import metadata as metadata_module
+    rng = random.Random(3)
+    for _ in range(20):
+        block_size = rng.choice([1, 4, 16])
+        query_lens = [rng.choice([1, 1, 2, 4, 9, 40]) for _ in range(rng.randint(1, 6))]
+        seq_lens = [q + rng.randint(0, 70) for q in query_lens]
+        tables = [rng.sample(range(200), -(-s // block_size) + rng.randint(0, 2)) for s in seq_lens]
+        other = [rng.sample(range(200), len(t)) for t in tables]
+        metas = []
+        for limit in (host_tokens, 256 - host_tokens if host_tokens == 0 else 0):
+            monkeypatch.setattr(metadata_module, "HOST_INDEX_TOKENS", limit)
+            meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, "cpu")
+            metas.append((meta, meta.with_tables(other)))
+        (a, a_other), (b, b_other) = metas
+        for x, y in ((a.query_start_loc, b.query_start_loc), (a.slot_mapping, b.slot_mapping),
+                     (a.seq_lens, b.seq_lens), (a.block_tables, b.block_tables),
+                     (a_other.slot_mapping, b_other.slot_mapping), (a_other.block_tables, b_other.block_tables),
+                     *zip(a.token_positions, b.token_positions)):
+            assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape and torch.equal(x, y)
+
+
 @pytest.mark.parametrize("args", [
     ([2], [1], [[0]], 4),           # query longer than context
     ([0], [3], [[0]], 4),           # empty run

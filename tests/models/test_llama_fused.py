@@ -151,6 +151,15 @@ def test_fused_stack_steps_aside(model_dir):
     assert not plan.usable()          # a hook must see its module run
     handle.remove()
     assert plan.usable()
+    # a hook registered elsewhere changes nothing; one on a deep module after that is caught
+    # (usable() skips its scan only while no hook was registered anywhere since the last one)
+    elsewhere = torch.nn.Linear(2, 2).register_forward_hook(lambda *a: None)
+    assert plan.usable() and plan.usable()
+    elsewhere.remove()
+    pre = model.model.layers[1].self_attn.o_proj.register_forward_pre_hook(lambda *a: None)
+    assert not plan.usable() and not plan.usable()
+    pre.remove()
+    assert plan.usable()
     layer = model.model.layers[1].self_attn.o_proj
     old = layer.weight
     layer.weight = torch.nn.Parameter(old.clone(), requires_grad=False)

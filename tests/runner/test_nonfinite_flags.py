@@ -35,3 +35,15 @@ def test_device_flags_flag_the_same_requests_as_a_list():
         assert "activations" in out.errors["r1"] and "logits" in out.errors["r3"]
     assert _flags_list(torch.tensor([False, False])) is None
     assert _flags_list(None) is None
+
+
+def test_one_total_clears_a_finite_step_and_sends_the_rest_to_the_row_check():
+    inf = float("inf")
+    x = torch.zeros(3, 4)
+    x[0, 1], x[2, 3] = inf, -inf                        # total NaN: both rows found
+    assert _nonfinite_rows(x) == [True, False, True]
+    big = torch.zeros(2, 4)
+    big[0, 0] = big[1, 0] = 3e38                        # the total overflows, no row does
+    assert _nonfinite_rows(big) is None and _zero_nonfinite_rows(big)[1] is None
+    big[1, 1] = 3e38                                    # row 1's own sum overflows: flagged, as before
+    assert _nonfinite_rows(big) == [False, True]

@@ -11,11 +11,13 @@ MoE layers (every layer's FFN a ``SparseMoE``) have their attention half planned
 """
 from __future__ import annotations
 
+import operator
 import struct
 from typing import Optional
 
 import torch
 from torch import nn
+from torch.utils import hooks as torch_hooks
 
 from tokenmill.layers import cpu_ops, prepacked
 from tokenmill.layers.activation import GeluTanhAndMul, SiluAndMul
@@ -199,6 +201,7 @@ class StackPlan:
         # each module's hook dicts (registering a hook fills them; they are not replaced)
         self.hook_dicts = [d for layer in layers for m in layer.modules()
                            for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self._no_hooks_at = -1   # RemovableHandle.next_id when a scan last found no hook
         rows = []
         for lins in layer_linears:   # 4 slots per layer (MoE: qkv and o, then 2 empty)
             rows += [v for _, desc, _ in lins for v in desc] + _NO_PART * DEC_PARTS * (4 - len(lins))
@@ -227,6 +230,8 @@ class StackPlan:
                               default=cpu_ops.LINEAR_MAX_ROWS)
         # q8 steps take every part's tiled copy (tm_qgemm_q8: any row count)
         self.all_tiled = all(p.tiled is not None for p in parts)
+        # the pins as columns (stores, names, objects), compared in one pass per step
+        self._pin_columns = tuple(zip(*self.pins))
 
     def _pin(self, store: dict, name: str) -> int:
         """The address of store[name], which usable() checks is still the module's."""
@@ -275,9 +280,24 @@ class StackPlan:
         from torch.nn.modules import module as torch_module
         if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
             return False
-        if any(store.get(name) is not pin for store, name, pin in self.pins):
+        stores, names, pins = self._pin_columns
+        if any(map(operator.is_not, map(dict.get, stores, names), pins)):
             return False
-        return not any(self.hook_dicts)
+        return not self._has_hooks()
+
+    def _has_hooks(self) -> bool:
+        """Does a module of the stack have a forward (pre-)hook? Every registration takes a
+        RemovableHandle, whose ids count registrations process-wide: while the count is the
+        one of a scan that found none, none was added (removals only empty the dicts). A
+        step then touches one counter instead of two dicts per module (several hundred
+        objects, each a cache miss after the step's weights have streamed through)."""
+        registered = torch_hooks.RemovableHandle.next_id
+        if registered == self._no_hooks_at:
+            return False
+        if any(self.hook_dicts):
+            return True
+        self._no_hooks_at = registered
+        return False
 
     def cache_ptrs(self, kv_caches: list) -> Optional[tuple]:
         """(k, v, k scales or None, v scales or None, value type code) address arrays; None

@@ -2,6 +2,8 @@
 SchedulerOutput into sampled tokens (forward -> logits -> sample)."""
 from __future__ import annotations
 
+import math
+
 import time
 from typing import Optional
 
@@ -302,8 +304,17 @@ def _bad_row_mask(x: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(x.sum(dim=-1))
 
 
+def _all_finite_on_cpu(x: torch.Tensor) -> bool:
+    """True when x is on the CPU and holds no NaN/inf: a NaN/inf makes every sum over it
+    non-finite, so one total (two tensor ops) clears the usual step; a non-finite total
+    (those, or finite values whose sum overflows) goes to the per-row check."""
+    return x.device.type == "cpu" and math.isfinite(x.sum().item())
+
+
 def _nonfinite_rows(x: torch.Tensor):
     """``_bad_row_mask`` as ``_read_now_on_cpu`` gives it."""
+    if _all_finite_on_cpu(x):
+        return None
     return _read_now_on_cpu(_bad_row_mask(x))
 
 
@@ -326,6 +337,8 @@ def _flags_list(bad) -> Optional[list[bool]]:
 
 def _zero_nonfinite_rows(logits: torch.Tensor):
     """(logits with NaN/inf rows zeroed so sampling stays defined, ``_nonfinite_rows``)."""
+    if _all_finite_on_cpu(logits):
+        return logits, None
     bad = _bad_row_mask(logits)
     flags = _read_now_on_cpu(bad)
     if flags is None:

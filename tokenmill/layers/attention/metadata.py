@@ -59,8 +59,12 @@ class AttentionMetadata:
         every other field shared."""
         _validate(self.query_lens, self.seq_lens_list, block_tables, self.block_size)
         tables = _pad_block_tables(block_tables)
-        req_idx, positions = self.token_positions
-        slots = _slots(tables, req_idx, positions, self.block_size)
+        if self.num_tokens <= HOST_INDEX_TOKENS:
+            slots = torch.tensor(_host_index(self.query_lens, self.seq_lens_list, block_tables,
+                                             self.block_size)[3], dtype=torch.int64)
+        else:
+            req_idx, positions = self.token_positions
+            slots = _slots(tables, req_idx, positions, self.block_size)
         tables, slots = to_device([tables, slots], self.block_tables.device)
         return dataclasses.replace(self, block_tables=tables, slot_mapping=slots, plan_cache={},
                                    by_window={})
@@ -78,14 +82,18 @@ class AttentionMetadata:
         """Build tensors from plain lists (the scheduler's view) on ``device``; ``extra``
         fields are a subclass's own."""
         _validate(query_lens, seq_lens, block_tables, block_size)
-        num_reqs = len(query_lens)
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)
-        s_lens = torch.tensor(seq_lens, dtype=torch.int64)
-        cu_q = torch.zeros(num_reqs + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=cu_q[1:])
         tables = _pad_block_tables(block_tables)
-        req_idx, positions = _token_positions(q_lens, s_lens, cu_q)
-        slot_mapping = _slots(tables, req_idx, positions, block_size)
+        s_lens = torch.tensor(seq_lens, dtype=torch.int64)
+        if sum(query_lens) <= HOST_INDEX_TOKENS:
+            cu_q, req_idx, positions, slot_mapping = (
+                torch.tensor(v, dtype=torch.int64)
+                for v in _host_index(query_lens, seq_lens, block_tables, block_size))
+        else:
+            q_lens = torch.tensor(query_lens, dtype=torch.int64)
+            cu_q = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+            torch.cumsum(q_lens, 0, out=cu_q[1:])
+            req_idx, positions = _token_positions(q_lens, s_lens, cu_q)
+            slot_mapping = _slots(tables, req_idx, positions, block_size)
         cu_q, s_lens, tables, slot_mapping = to_device([cu_q, s_lens, tables, slot_mapping], device)
         return cls(
             num_tokens=int(slot_mapping.shape[0]),
@@ -143,6 +151,26 @@ def _pad_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
     width = max(width, 1)  # keep a [B, >=1] shape so indexing code needs no special case
     padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
     return torch.tensor(padded, dtype=torch.int64).reshape(len(block_tables), width)
+
+
+# Steps of up to this many query tokens (decode, speculative runs) index in plain ints: a
+# handful of tensors instead of ~15 small tensor ops, each dearer than its arithmetic once
+# the step's weights have streamed through the caches.
+HOST_INDEX_TOKENS = 256
+
+
+def _host_index(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
+                block_size: int) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The values of build's tensor path as lists: cumulative query lengths [B+1], then each
+    query token's request index, position and flat cache slot [T]."""
+    cu, req_idx, positions, slots = [0], [], [], []
+    for b, (q, s, table) in enumerate(zip(query_lens, seq_lens, block_tables)):
+        cu.append(cu[-1] + q)
+        req_idx += [b] * q
+        run = range(s - q, s)
+        positions += run
+        slots += [table[p // block_size] * block_size + p % block_size for p in run]
+    return cu, req_idx, positions, slots
 
 
 def _token_positions(
