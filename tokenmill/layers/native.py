@@ -311,6 +311,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "tm_quantize_q8": ([p, i64, i64, p, p], None),
         "tm_dequant": ([p, p, p, i64, i64, i64, i32, p, i32], None),
         "tm_qgemm_q8": ([p, i64, i64, i32, p, p, p, i64, i64, p, i32], i32),
+        "tm_tiled_rows": ([p, i32, i32, i64, i64, p, p, i32, i64, p, i64, p], i32),
         "tm_shm_barrier": ([p, i32, i32, i64, ctypes.c_double], i32),
     }
     for name, (argtypes, restype) in signatures.items():

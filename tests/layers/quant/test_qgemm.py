@@ -8,6 +8,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.layers.quant import formats as F
 from tokenmill.layers import native
 from tokenmill.layers.quant import kernels, qgemm
+from tokenmill.layers.quant.embedding import PackedEmbedding
 from tokenmill.layers.quant.matmul import packed_linear, reference_linear
 
 needs_kernel = pytest.mark.skipif(not native.buildable(), reason="no C compiler, or a CPU without AVX2")
@@ -74,6 +75,26 @@ def test_tiles_give_back_the_stored_rows(kind, n):
     assert torch.equal(only_tiled.stored(rows), p.qweight.index_select(0, rows))
     with pytest.raises(ValueError, match="neither qweight nor a tiled copy"):
         F.Packed(p.kind, None, p.scales, p.mins, p.group_size, n, 128).stored()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["i8", "i8-g32", "i8-g16", "i8m-g32", "i5-g32", "i5m-g32", "i4-g32", "i4-g64"])
+@pytest.mark.parametrize("n", [16, 33, 200])
+def test_rows_read_from_the_tiles_equal_dequantize_stored(kind, n):
+    """tm_tiled_rows (a tied embedding's rows): bit for bit what dequantize_stored makes of
+    the stored values, float16 and float32 scales, with and without mins, any rows (the
+    partial last tile, repeats); an id outside the vocabulary raises, nothing read."""
+    p = _packed(kind, n, 128, 7 * n)
+    p.tiled = qgemm.tile(p)
+    rows = torch.tensor([n - 1, 0, 5, n - 1, n // 2, 15 % n], dtype=torch.int64)
+    want = F.dequantize_stored(p).index_select(0, rows)
+    assert torch.equal(qgemm.dequantized_rows(p, rows), want)
+    only_tiled = F.Packed(p.kind, None, p.scales, p.mins, p.group_size, n, 128, tiled=p.tiled)
+    assert torch.equal(PackedEmbedding(only_tiled)(rows.view(2, 3)), want.view(2, 3, 128))
+    assert qgemm.dequantized_rows(p, rows[:0]).shape == (0, 128)
+    for bad in (n, -1):
+        with pytest.raises(IndexError):
+            qgemm.dequantized_rows(p, torch.tensor([0, bad]))
 
 
 @needs_kernel

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 from torch import nn
 
+from tokenmill.layers.quant import qgemm
 from tokenmill.layers.quant.formats import Packed, dequantize_stored
 
 
@@ -42,10 +43,13 @@ class PackedEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:   # [T] -> [T, hidden] fp32
         p = self.packed
         ids = input_ids.reshape(-1)
-        rows = Packed(p.kind, p.stored(ids), p.scales.index_select(0, ids),
-                      p.mins.index_select(0, ids) if p.mins is not None else None,
-                      p.group_size, ids.numel(), p.in_features)
-        return dequantize_stored(rows).view(*input_ids.shape, p.in_features)
+        values = qgemm.dequantized_rows(p, ids)   # one kernel call where the head is tiled
+        if values is None:
+            rows = Packed(p.kind, p.stored(ids), p.scales.index_select(0, ids),
+                          p.mins.index_select(0, ids) if p.mins is not None else None,
+                          p.group_size, ids.numel(), p.in_features)
+            values = dequantize_stored(rows)
+        return values.view(*input_ids.shape, p.in_features)
 
 
 def _check_order(packed: Packed) -> Packed:

@@ -343,3 +343,55 @@ int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *q
     q8_free(&in);
     return 0;
 }
+
+/* Rows ids[0..n) of a tiled weight (kind & 7: 0 i8, 1 i4, QG_KIND_I5; tile_mins: the tiles
+ * were built with mins, which sets an i5 tile's offset) as formats.dequantize_stored
+ * computes them from the stored values: out[r][k] = float(q) * scale (+ min), the
+ * product and the sum each rounded to float32 (no fused multiply-add). scales / mins: the
+ * packed weight's own [N, K/G], float32 or float16 (half). A tied embedding reads its
+ * rows here (quant/embedding.py): one call a step instead of a dozen tensor ops. Returns
+ * nonzero (nothing written) if an id is outside [0, N). */
+__attribute__((optimize("fp-contract=off")))
+int tm_tiled_rows(const uint8_t *qw, int kind, int tile_mins, int64_t N, int64_t K,
+                  const void *scales, const void *mins, int half, int64_t G,
+                  const int64_t *ids, int64_t n, float *out) {
+    for (int64_t r = 0; r < n; r++)
+        if (ids[r] < 0 || ids[r] >= N) return 1;
+    const int k7 = kind & 7;
+    const int64_t nb = K / 32, ngroups = K / G;
+    const int64_t bw = k7 == 1 ? 256 : k7 == QG_KIND_I5 ? QG_I5_BYTES : 512;
+    const int off5 = tile_mins ? 0 : 16;
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t id = ids[r], t = id / QG_TILE, j = id % QG_TILE;
+        float *o = out + r * K;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *wb = qw + (t * nb + b) * bw;
+            for (int v = 0; v < 32; v++) {
+                const int s = v / 4, i = v % 4;   /* step of four values, byte in the step */
+                int q;
+                if (k7 == 0) {
+                    q = (int)wb[s * 64 + j * 4 + i] - 128;
+                } else {   /* step s = 2p + h: nibble h of byte (p, j, i) */
+                    const uint8_t byte = wb[(s / 2) * 64 + j * 4 + i];
+                    q = s % 2 ? byte >> 4 : byte & 0x0F;
+                    if (k7 == QG_KIND_I5) {
+                        const int bit = (s * QG_TILE + (int)j) * 4 + i;
+                        q = (q | ((wb[256 + bit / 8] >> (bit % 8)) & 1) << 4) - off5;
+                    }
+                }
+                o[b * 32 + v] = (float)q;
+            }
+        }
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t g = id * ngroups + k / G;
+            const float sc = half ? _cvtsh_ss(((const uint16_t *)scales)[g]) : ((const float *)scales)[g];
+            float w = o[k] * sc;
+            if (mins) {
+                const float mn = half ? _cvtsh_ss(((const uint16_t *)mins)[g]) : ((const float *)mins)[g];
+                w = w + mn;
+            }
+            o[k] = w;
+        }
+    }
+    return 0;
+}

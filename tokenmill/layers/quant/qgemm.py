@@ -58,6 +58,27 @@ class Tiled:
         return (b.reshape(-1, self.in_features).to(torch.int16) - 128).to(torch.int8)
 
 
+def dequantized_rows(p: Packed, ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """float32 [n, K]: rows ``ids`` (int64) of a packed weight with a tiled copy, the values
+    formats.dequantize_stored gives them (stored column order), read out of the tiles in one
+    kernel call; None where the kernel does not take the weight. IndexError for an id
+    outside [0, N)."""
+    t = p.tiled
+    half = p.scales.dtype is torch.float16
+    if (t is None or not kernels.available() or p.scales.dtype not in (torch.float32, torch.float16)
+            or not p.scales.is_contiguous() or ids.dtype is not torch.int64
+            or (p.mins is not None and (p.mins.dtype is not p.scales.dtype or not p.mins.is_contiguous()))):
+        return None
+    ids = ids.contiguous()
+    out = torch.empty(ids.numel(), p.in_features, dtype=torch.float32)
+    if native.library().tm_tiled_rows(
+            t.qw.data_ptr(), t.kind, int(t.mn is not None), p.out_features, p.in_features,
+            p.scales.data_ptr(), None if p.mins is None else p.mins.data_ptr(), int(half),
+            p.group_size, ids.data_ptr(), ids.numel(), out.data_ptr()):
+        raise IndexError(f"a token id is outside the vocabulary [0, {p.out_features})")
+    return out
+
+
 def available() -> bool:
     return kernels.available()
 
