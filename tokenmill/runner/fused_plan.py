@@ -231,7 +231,7 @@ class StackPlan:
         # q8 steps take every part's tiled copy (tm_qgemm_q8: any row count)
         self.all_tiled = all(p.tiled is not None for p in parts)
         # the pins as columns (stores, names, objects), compared in one pass per step
-        self._pin_columns = tuple(zip(*self.pins))
+        self._pin_columns = tuple(zip(*self.pins)) or ((), (), ())
 
     def _pin(self, store: dict, name: str) -> int:
         """The address of store[name], which usable() checks is still the module's."""
