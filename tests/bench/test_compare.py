@@ -169,3 +169,23 @@ def test_peer_peak_rss_counts_the_processes_it_started():
     finally:
         child.kill()
         child.wait()
+
+
+def test_cpu_isa_avx2_caps_every_row_and_llamacpp_may_run_elsewhere(tiny_llama_dir, tmp_path):
+    """--cpu-isa avx2: the tokenmill row's kernels are the AVX2 build and torch's own are
+    capped in its process; --llamacpp-python names the environment of the llama.cpp rows."""
+    out = tmp_path / "compare.json"
+    rc = main(["bench", "compare", "--model", tiny_llama_dir, "--dataset", "random",
+               "--peers", "llama.cpp", "--llamacpp-python", str(tmp_path / "no-python"),
+               "--cpu-isa", "avx2", "--num-prompts", "2", "--output-len", "4",
+               "--max-input-len", "8", "--prefill-len", "12", "--repeats", "1",
+               "--num-threads", "1", "--no-progress", "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["cpu_isa"] == "avx2"
+    rows = {r["name"]: r for r in result["rows"]}
+    tm = rows["tokenmill fp32"]
+    assert tm["status"] == "ok" and tm["cpu_isa"] == "avx2"
+    assert "avx512" not in tm["kernel_flags"] and "-mavx2" in tm["kernel_flags"]
+    assert tm["torch_cpu_capability"] == "AVX2"          # ATEN_CPU_CAPABILITY in its process
+    assert rows["llama.cpp gguf"]["status"].startswith("no such python")

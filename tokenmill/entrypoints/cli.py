@@ -85,6 +85,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bfloat16 (CPUs with AVX-512 BF16 only): every float matmul on a "
                         "tiled bf16 copy, activations rounded to bf16, fp32 sums: faster "
                         "prefill, batches and decode, small accuracy cost")
+    g.add_argument("--cpu-isa", default="native", choices=["native", "avx2"],
+                   help="instruction sets of the CPU kernels: native (all this CPU has) or avx2 "
+                        "(the build an AVX2-only CPU runs, no AVX-512 path: to measure or check "
+                        "that code on an AVX-512 machine)")
     g.add_argument("--speculative-config", default=None,
                    help='speculative decoding, JSON: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--speculative-model", default=None, help="draft model, or [ngram] for prompt lookup")
@@ -144,7 +148,7 @@ def _make_llm(args):
                num_threads=args.num_threads, cache_dir=_default_cache_dir(),
                quantization=args.quantization, quant_activations=args.quant_activations,
                torch_compile=args.torch_compile, cpu_weight_prepack=args.cpu_weight_prepack,
-               cpu_gemm_dtype=args.cpu_gemm_dtype,
+               cpu_gemm_dtype=args.cpu_gemm_dtype, cpu_isa=args.cpu_isa,
                cpu_kernels=args.cpu_kernels,
                speculative_config=_json_arg("--speculative-config", args.speculative_config),
                speculative_model=args.speculative_model,

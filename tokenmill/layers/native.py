@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from tokenmill.config import CPU_ISAS
 from tokenmill.utils.temp_files import remove_stale_temps, sha256_file
 
 logger = logging.getLogger(__name__)
@@ -54,8 +55,17 @@ _VNNI_CPU_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
 _NEEDED_CPU_FLAGS = {"avx2", "fma", "f16c"}
 
 
+# Instruction sets the kernels may use (ModelConfig.cpu_isa, one of CPU_ISAS): "native" = all
+# this CPU has; "avx2" = what an AVX2-only CPU (AMD Zen 3, Intel before Ice Lake) has: the
+# AVX2 build of the library, and no path that needs AVX-512 (bf16 compute). It lets one
+# machine measure and check the AVX2 code that such CPUs run.
+# Flags an AVX2-only x86-64 CPU does not report (AVX-VNNI: Alder Lake's VEX form, unused here)
+_ABOVE_AVX2 = ("avx512", "amx", "avx_vnni")
+_isa = "native"
+
+
 @functools.lru_cache(maxsize=None)
-def cpu_flags() -> frozenset:
+def _host_flags() -> frozenset:
     if platform.machine() not in ("x86_64", "AMD64"):
         return frozenset()
     try:
@@ -63,6 +73,35 @@ def cpu_flags() -> frozenset:
             return frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
         return frozenset()
+
+
+def cpu_flags() -> frozenset:
+    """This CPU's flags as the kernels may use them: all of them, or under cpu_isa "avx2"
+    those an AVX2-only CPU reports."""
+    flags = _host_flags()
+    if _isa == "avx2":
+        flags = frozenset(f for f in flags if not f.startswith(_ABOVE_AVX2))
+    return flags
+
+
+def isa() -> str:
+    """The instruction-set cap of this process's kernels (one of CPU_ISAS)."""
+    return _isa
+
+
+def use_isa(name: str) -> None:
+    """Cap the kernels of this process at ``name`` (CPU_ISAS). The library is built once per
+    process, so the cap is fixed from its build on: asking another one after that raises."""
+    global _isa
+    if name not in CPU_ISAS:
+        raise ValueError(f"cpu_isa must be one of {', '.join(CPU_ISAS)}, got {name!r}")
+    if name == _isa:
+        return
+    if _status.tried:
+        raise RuntimeError(f"the kernel library of this process is already built for cpu_isa="
+                           f"{_isa!r}; one process runs one instruction set (start another "
+                           f"process for cpu_isa={name!r})")
+    _isa = name
 
 
 def cpu_supported() -> bool:
@@ -281,7 +320,7 @@ def require() -> ctypes.CDLL:
 def status() -> dict:
     """For `tokenmill env`: CPU support, compiler, build result."""
     s = build()
-    return {"cpu_supported": cpu_supported(), "vnni": has_vnni(), "compiler": compiler(),
+    return {"cpu_supported": cpu_supported(), "isa": _isa, "vnni": has_vnni(), "compiler": compiler(),
             "built": s.lib is not None, "path": s.path, "error": s.error,
             "build_seconds": round(s.seconds, 3), "flags": " ".join(build_flags())}
 

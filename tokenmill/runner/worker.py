@@ -44,6 +44,7 @@ class RankSpec:
     max_num_seqs: int = 64        # the largest decode batch a CUDA graph is captured for
     load_format: str = "auto"     # "dummy": random weights
     cpu_gemm_dtype: str = "float32"   # ModelConfig.cpu_gemm_dtype
+    cpu_isa: str = "native"           # ModelConfig.cpu_isa
     rank: int = 0
     world_size: int = 1
     master_addr: str = "127.0.0.1"
@@ -109,6 +110,7 @@ class RankWorker:
         s = self.spec
         torch.manual_seed(s.seed)
         if self.device.type == "cpu":
+            native.use_isa(s.cpu_isa)   # before the build: the library is built for it
             native.build()
         checkpoint = checkpoint if checkpoint is not None else open_checkpoint(s.model_path, s.load_format)
         self.checkpoint = checkpoint   # hot-expert replicas are read from it later

@@ -31,6 +31,7 @@ class TokenmillEngine:
                        quantization=_QUANTIZATION.get(precision),
                        quant_activations="q8" if precision == "gguf-q8" else "fp32",
                        cpu_gemm_dtype="bfloat16" if precision == "bf16" else "float32",
+                       cpu_isa=spec.get("cpu_isa", "native"),
                        kv_cache_dtype=spec.get("kv_cache_dtype", "auto"),
                        num_threads=spec["num_threads"], skip_tokenizer_init=True,
                        max_model_len=max_len, max_num_seqs=spec["max_num_seqs"],
@@ -38,7 +39,8 @@ class TokenmillEngine:
                        block_size=BLOCK_SIZE, num_kv_blocks=spec["max_num_seqs"] * blocks_per_seq + 1,
                        enable_prefix_caching=False)
         engine = self.llm.engine
-        from tokenmill.layers import prepacked
+        import torch
+        from tokenmill.layers import native, prepacked
         model = getattr(engine, "model", None)
         unread = prepacked.bf16_unread_bytes(model) if model is not None else 0
         self.info = {"version": tokenmill.__version__, "threads": engine.num_threads,
@@ -48,6 +50,9 @@ class TokenmillEngine:
                      "decode_weight_bytes": engine.weight_bytes - unread,
                      "kv_bytes_per_token": engine.kv_bytes_per_token,
                      "kv_cache_dtype": spec.get("kv_cache_dtype", "auto"),
+                     "cpu_isa": spec.get("cpu_isa", "native"),
+                     "kernel_flags": " ".join(native.build_flags()),
+                     "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
                      "dtype": str(engine.dtype).replace("torch.", "")}
 
     def _params(self, max_tokens: int):
