@@ -204,21 +204,24 @@ def test_engine_tiles_q8_linears_and_fuses_them(tiny_llama_dir):
 def test_both_builds_are_bit_identical(kind, both_builds):
     """The VNNI build's one-instruction dot products sum the same exact integers in the same
     lanes as the AVX2 build's instruction pairs, then run the same float operations: the
-    streaming kernel (qmm.c dot_u8s8) and the tiled one (qgemm.c) give identical bits."""
+    streaming kernel (qmm.c dot_u8s8) and the tiled one (qgemm.c) give identical bits. Rows
+    1 and 3 take the AVX2 build's one-pass tiles (both halves of each block together), 13 its
+    half-at-a-time passes."""
     p = _packed(kind, 41, 576, 11)   # 41 rows: a part-filled last half tile (AVX2)
-    x = torch.randn(13, 576) * 5
     tiled = qgemm.tile(p)
-    stream_outs, tiled_outs = [], []
-    for lib in both_builds:
-        y = torch.empty(13, 41)
-        assert lib.tm_qmm_q8(x.data_ptr(), 13, 576, p.qweight.data_ptr(), p.scales.data_ptr(),
-                             p.mins.data_ptr() if p.mins is not None else None, p.group_size, 41,
-                             kernels.kind_code(0 if p.kind == "i8" else 1, p.scales), y.data_ptr(), 2) == 0
-        stream_outs.append(y)
-        z = torch.empty(13, 41)
-        assert lib.tm_qgemm_q8(x.data_ptr(), 13, 576, tiled.kind, tiled.qw.data_ptr(), tiled.sc.data_ptr(),
-                               tiled.mn.data_ptr() if tiled.mn is not None else None,
-                               tiled.group_size, 41, z.data_ptr(), 2) == 0
-        tiled_outs.append(z)
-    assert all(torch.equal(stream_outs[0], y) for y in stream_outs[1:])
-    assert all(torch.equal(tiled_outs[0], z) for z in tiled_outs[1:])
+    for m in (1, 3, 13):
+        x = torch.randn(m, 576) * 5
+        stream_outs, tiled_outs = [], []
+        for lib in both_builds:
+            y = torch.empty(m, 41)
+            assert lib.tm_qmm_q8(x.data_ptr(), m, 576, p.qweight.data_ptr(), p.scales.data_ptr(),
+                                 p.mins.data_ptr() if p.mins is not None else None, p.group_size, 41,
+                                 kernels.kind_code(0 if p.kind == "i8" else 1, p.scales), y.data_ptr(), 2) == 0
+            stream_outs.append(y)
+            z = torch.empty(m, 41)
+            assert lib.tm_qgemm_q8(x.data_ptr(), m, 576, tiled.kind, tiled.qw.data_ptr(), tiled.sc.data_ptr(),
+                                   tiled.mn.data_ptr() if tiled.mn is not None else None,
+                                   tiled.group_size, 41, z.data_ptr(), 2) == 0
+            tiled_outs.append(z)
+        assert all(torch.equal(stream_outs[0], y) for y in stream_outs[1:]), m
+        assert all(torch.equal(tiled_outs[0], z) for z in tiled_outs[1:]), m

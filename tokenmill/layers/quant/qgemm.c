@@ -72,7 +72,8 @@ INLINE void qg_i8_steps(const uint8_t *wb, const int8_t *xb, int64_t K, const in
  * scaled by its group's 16 row scales. qsum: block sums of the int8 activations per 16. */
 INLINE void qgemm_tile_g16(const int8_t *xq, const float *dx, const int32_t *qsum, const int mb,
                            int64_t K, int kind, const uint8_t *qw, const float *sc, int64_t N,
-                           int64_t t, float *y) {
+                           int64_t t, float *y, const int streamed) {
+    (void)streamed;   /* as in qgemm_tile */
     const int64_t nb = K / 32, ngroups = K / 16;
     __m512 acc[QG_MT];
     for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
@@ -99,7 +100,9 @@ INLINE void qgemm_tile_g16(const int8_t *xq, const float *dx, const int32_t *qsu
  * int8 activations' block sums (i8). */
 INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, const int32_t *qsum,
                        const int mb, int64_t K, int64_t G, int kind, const uint8_t *qw,
-                       const float *sc, const float *mn, int64_t N, int64_t t, float *y) {
+                       const float *sc, const float *mn, int64_t N, int64_t t, float *y,
+                       const int streamed) {
+    (void)streamed;   /* the AVX2 build's choice; here every load is a whole line already */
     const int64_t nb = K / 32, per_g = G / 32, ngroups = K / G;
     const int i4 = (kind & 7) == 1, i5 = (kind & 7) == QG_KIND_I5;
     const int offset = qg_offset(kind, mn != NULL);
@@ -202,87 +205,162 @@ INLINE void qg_store8(float *y, int64_t N, int64_t n0, const int mb, const __m25
     }
 }
 
-/* AVX2 twin of the VNNI qgemm_tile_g16 (same integer sums, same float operations). */
-INLINE void qgemm_tile_g16(const int8_t *xq, const float *dx, const int32_t *qsum, const int mb,
-                           int64_t K, int kind, const uint8_t *qw, const float *sc, int64_t N,
-                           int64_t t, float *y) {
-    (void)qsum;
+/* Block b of half h (rows 8h .. 8h + 7 of tile t), int8 with a scale per 16 values, into acc. */
+INLINE void qg16_half_block(const int8_t *xq, const float *dx, const int mb, int64_t K, int kind,
+                            const uint8_t *qw, const float *sc, int64_t t, int64_t b, int h,
+                            __m256 *acc) {
     const int64_t nb = K / 32, ngroups = K / 16;
-    for (int h = 0; h < 2; h++) {   /* rows 8h .. 8h + 7 of the tile */
+    const uint8_t *wb = qw + (t * nb + b) * 512 + 32 * h;
+    const int8_t *xb = xq + b * 32;
+    for (int half = 0; half < 2; half++) {
+        const __m256 s_vec = qg_load8(sc, (t * ngroups + 2 * b + half) * QG_TILE + 8 * h, kind);
+        __m256i dot[QG_MT];
+        for (int m = 0; m < mb; m++) dot[m] = _mm256_setzero_si256();
+        qg_i8_steps(wb, xb, K, mb, 4 * half, 4 * half + 4, dot);
+        for (int m = 0; m < mb; m++)
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]),
+                                     _mm256_mul_ps(s_vec, _mm256_set1_ps(dx[m * nb + b])), acc[m]);
+    }
+}
+
+/* AVX2 twin of the VNNI qgemm_tile_g16 (same integer sums, same float operations); both
+ * halves of each block together when ``streamed``, as qgemm_tile_as does. */
+INLINE void qgemm_tile_g16_as(const int8_t *xq, const float *dx, const int mb, int64_t K,
+                              int kind, const uint8_t *qw, const float *sc, int64_t N, int64_t t,
+                              float *y, const int streamed) {
+    const int64_t nb = K / 32;
+    if (streamed) {
+        __m256 acc0[QG_MT], acc1[QG_MT];
+        for (int m = 0; m < mb; m++) acc0[m] = acc1[m] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            qg16_half_block(xq, dx, mb, K, kind, qw, sc, t, b, 0, acc0);
+            qg16_half_block(xq, dx, mb, K, kind, qw, sc, t, b, 1, acc1);
+        }
+        qg_store8(y, N, t * QG_TILE, mb, acc0);
+        qg_store8(y, N, t * QG_TILE + 8, mb, acc1);
+        return;
+    }
+    for (int h = 0; h < 2; h++) {
         __m256 acc[QG_MT];
         for (int m = 0; m < mb; m++) acc[m] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *wb = qw + (t * nb + b) * 512 + 32 * h;
-            const int8_t *xb = xq + b * 32;
-            for (int half = 0; half < 2; half++) {
-                const __m256 s_vec = qg_load8(sc, (t * ngroups + 2 * b + half) * QG_TILE + 8 * h, kind);
-                __m256i dot[QG_MT];
-                for (int m = 0; m < mb; m++) dot[m] = _mm256_setzero_si256();
-                qg_i8_steps(wb, xb, K, mb, 4 * half, 4 * half + 4, dot);
-                for (int m = 0; m < mb; m++)
-                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]),
-                                             _mm256_mul_ps(s_vec, _mm256_set1_ps(dx[m * nb + b])), acc[m]);
-            }
-        }
+        for (int64_t b = 0; b < nb; b++)
+            qg16_half_block(xq, dx, mb, K, kind, qw, sc, t, b, h, acc);
         qg_store8(y, N, t * QG_TILE + 8 * h, mb, acc);
     }
+}
+
+INLINE void qgemm_tile_g16(const int8_t *xq, const float *dx, const int32_t *qsum, const int mb,
+                           int64_t K, int kind, const uint8_t *qw, const float *sc, int64_t N,
+                           int64_t t, float *y, const int streamed) {
+    (void)qsum;
+    if (streamed)
+        qgemm_tile_g16_as(xq, dx, mb, K, kind, qw, sc, N, t, y, 1);
+    else
+        qgemm_tile_g16_as(xq, dx, mb, K, kind, qw, sc, N, t, y, 0);
 }
 
 /* AVX2: the same tiles as two halves of 8 rows (one ymm lane each), vpmaddubsw + vpmaddwd
  * for each vpdpbusd; int8 weights by the sign trick (|q| unsigned, x with q's sign). Every
  * lane sums the same integers and then runs the same float operations in the same order
  * as the VNNI build: the two builds' outputs are bit-identical. */
-INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, const int32_t *qsum,
-                       const int mb, int64_t K, int64_t G, int kind, const uint8_t *qw,
-                       const float *sc, const float *mn, int64_t N, int64_t t, float *y) {
-    const int64_t nb = K / 32, per_g = G / 32, ngroups = K / G;
+/* Block b (of group g) of half h (rows 8h .. 8h + 7 of tile t) for mb activation rows into
+ * acc: the integer dot, then one multiply-add by the scales. */
+INLINE void qg_half_block(const int8_t *xq, const float *dx, const int32_t *qsum, const int mb,
+                          int64_t K, int64_t ngroups, int kind, int offset, const uint8_t *qw,
+                          const float *sc, int64_t t, int64_t g, int64_t b, int h, __m256 *acc) {
+    const int64_t nb = K / 32;
     const int i4 = (kind & 7) == 1, i5 = (kind & 7) == QG_KIND_I5;
-    const int offset = qg_offset(kind, mn != NULL);
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int h = 0; h < 2; h++) {   /* rows 8h .. 8h + 7 of the tile */
+    const __m256 s_vec = qg_load8(sc, (t * ngroups + g) * QG_TILE + 8 * h, kind);
+    const int8_t *xb = xq + b * 32;
+    __m256i dot[QG_MT];
+    for (int m = 0; m < mb; m++)
+        dot[m] = offset ? _mm256_set1_epi32(-offset * qsum[m * nb + b]) : _mm256_setzero_si256();
+    if (i4 || i5) {
+        const uint8_t *block = qw + (t * nb + b) * (i5 ? QG_I5_BYTES : 256);
+        const uint8_t *wb = block + 32 * h;
+        for (int p = 0; p < 4; p++) {
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 64 * p));
+            __m256i w0 = _mm256_and_si256(raw, low);
+            __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            if (i5) {   /* this half's 32 bits of each mask, as 0x10 bytes */
+                w0 = _mm256_or_si256(w0, qg_bits_to_fifth((uint32_t)(qg_i5_bits(block, 2 * p) >> (32 * h))));
+                w1 = _mm256_or_si256(w1, qg_bits_to_fifth((uint32_t)(qg_i5_bits(block, 2 * p + 1) >> (32 * h))));
+            }
+            for (int m = 0; m < mb; m++) {
+                const int8_t *xm = xb + m * K + 8 * p;
+                __m256i x0 = _mm256_set1_epi32(*(const int32_t *)xm);
+                __m256i x1 = _mm256_set1_epi32(*(const int32_t *)(xm + 4));
+                dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones));
+                dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), ones));
+            }
+        }
+    } else {
+        qg_i8_steps(qw + (t * nb + b) * 512 + 32 * h, xb, K, mb, 0, 8, dot);
+    }
+    for (int m = 0; m < mb; m++)
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]),
+                                 _mm256_mul_ps(s_vec, _mm256_set1_ps(dx[m * nb + b])), acc[m]);
+}
+
+/* The affine term of group g (kinds with mins) of half h into acc. */
+INLINE void qg_half_mins(const float *xsum, const int mb, int64_t ngroups, int kind,
+                         const float *mn, int64_t t, int64_t g, int h, __m256 *acc) {
+    const __m256 mn_vec = qg_load8(mn, (t * ngroups + g) * QG_TILE + 8 * h, kind);
+    for (int m = 0; m < mb; m++)
+        acc[m] = _mm256_fmadd_ps(mn_vec, _mm256_set1_ps(xsum[m * ngroups + g]), acc[m]);
+}
+
+/* mb rows against tile t. With ``streamed`` (rows for one pass: the tile comes from
+ * memory once) both halves of each block run together, so each line of the tile is used
+ * whole while in L1 and memory streams all the way: a half at a time, it idled through the
+ * second half's pass, all cache hits (docs/bench/2026-12-06). Otherwise (several passes:
+ * compute-bound) one half at a time, its accumulators held in registers. Each lane runs
+ * the same operations in the same order either way. */
+INLINE void qgemm_tile_as(const int8_t *xq, const float *dx, const float *xsum, const int32_t *qsum,
+                          const int mb, int64_t K, int64_t G, int kind, const uint8_t *qw,
+                          const float *sc, const float *mn, int64_t N, int64_t t, float *y,
+                          const int streamed) {
+    const int64_t per_g = G / 32, ngroups = K / G;
+    const int offset = qg_offset(kind, mn != NULL);
+    if (streamed) {
+        __m256 acc0[QG_MT], acc1[QG_MT];
+        for (int m = 0; m < mb; m++) acc0[m] = acc1[m] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ngroups; g++) {
+            for (int64_t b = g * per_g; b < (g + 1) * per_g; b++) {
+                qg_half_block(xq, dx, qsum, mb, K, ngroups, kind, offset, qw, sc, t, g, b, 0, acc0);
+                qg_half_block(xq, dx, qsum, mb, K, ngroups, kind, offset, qw, sc, t, g, b, 1, acc1);
+            }
+            if (mn) {
+                qg_half_mins(xsum, mb, ngroups, kind, mn, t, g, 0, acc0);
+                qg_half_mins(xsum, mb, ngroups, kind, mn, t, g, 1, acc1);
+            }
+        }
+        qg_store8(y, N, t * QG_TILE, mb, acc0);
+        qg_store8(y, N, t * QG_TILE + 8, mb, acc1);
+        return;
+    }
+    for (int h = 0; h < 2; h++) {
         __m256 acc[QG_MT];
         for (int m = 0; m < mb; m++) acc[m] = _mm256_setzero_ps();
         for (int64_t g = 0; g < ngroups; g++) {
-            const __m256 s_vec = qg_load8(sc, (t * ngroups + g) * QG_TILE + 8 * h, kind);
-            for (int64_t b = g * per_g; b < (g + 1) * per_g; b++) {
-                __m256i dot[QG_MT];
-                for (int m = 0; m < mb; m++)
-                    dot[m] = offset ? _mm256_set1_epi32(-offset * qsum[m * nb + b]) : _mm256_setzero_si256();
-                const int8_t *xb = xq + b * 32;
-                if (i4 || i5) {
-                    const uint8_t *block = qw + (t * nb + b) * (i5 ? QG_I5_BYTES : 256);
-                    const uint8_t *wb = block + 32 * h;
-                    for (int p = 0; p < 4; p++) {
-                        __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 64 * p));
-                        __m256i w0 = _mm256_and_si256(raw, low);
-                        __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-                        if (i5) {   /* this half's 32 bits of each mask, as 0x10 bytes */
-                            w0 = _mm256_or_si256(w0, qg_bits_to_fifth((uint32_t)(qg_i5_bits(block, 2 * p) >> (32 * h))));
-                            w1 = _mm256_or_si256(w1, qg_bits_to_fifth((uint32_t)(qg_i5_bits(block, 2 * p + 1) >> (32 * h))));
-                        }
-                        for (int m = 0; m < mb; m++) {
-                            const int8_t *xm = xb + m * K + 8 * p;
-                            __m256i x0 = _mm256_set1_epi32(*(const int32_t *)xm);
-                            __m256i x1 = _mm256_set1_epi32(*(const int32_t *)(xm + 4));
-                            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones));
-                            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), ones));
-                        }
-                    }
-                } else {
-                    qg_i8_steps(qw + (t * nb + b) * 512 + 32 * h, xb, K, mb, 0, 8, dot);
-                }
-                for (int m = 0; m < mb; m++)
-                    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]),
-                                             _mm256_mul_ps(s_vec, _mm256_set1_ps(dx[m * nb + b])), acc[m]);
-            }
-            if (mn) {   /* the affine term of the group */
-                const __m256 mn_vec = qg_load8(mn, (t * ngroups + g) * QG_TILE + 8 * h, kind);
-                for (int m = 0; m < mb; m++)
-                    acc[m] = _mm256_fmadd_ps(mn_vec, _mm256_set1_ps(xsum[m * ngroups + g]), acc[m]);
-            }
+            for (int64_t b = g * per_g; b < (g + 1) * per_g; b++)
+                qg_half_block(xq, dx, qsum, mb, K, ngroups, kind, offset, qw, sc, t, g, b, h, acc);
+            if (mn)
+                qg_half_mins(xsum, mb, ngroups, kind, mn, t, g, h, acc);
         }
         qg_store8(y, N, t * QG_TILE + 8 * h, mb, acc);
     }
+}
+
+INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, const int32_t *qsum,
+                       const int mb, int64_t K, int64_t G, int kind, const uint8_t *qw,
+                       const float *sc, const float *mn, int64_t N, int64_t t, float *y,
+                       const int streamed) {
+    if (streamed)
+        qgemm_tile_as(xq, dx, xsum, qsum, mb, K, G, kind, qw, sc, mn, N, t, y, 1);
+    else
+        qgemm_tile_as(xq, dx, xsum, qsum, mb, K, G, kind, qw, sc, mn, N, t, y, 0);
 }
 #endif
 
@@ -309,7 +387,9 @@ int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *q
         }
     }
     /* tiles outside, row passes inside: a tile's weights (K/2 or K bytes x 16 rows) stay
-     * in L1 while every pass of QG_MT activation rows reads them */
+     * in L1 while every pass of QG_MT activation rows reads them. One pass: the tile
+     * streams from memory as it is used (the AVX2 build's qgemm_tile takes both halves) */
+    const int streamed = M <= QG_MT;
     #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t t = 0; t < tiles; t++) {
         for (int64_t m0 = 0; m0 < M; m0 += QG_MT) {
@@ -319,8 +399,8 @@ int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *q
             const int32_t *qm = qsum ? qsum + m0 * qstride : NULL;
             float *ym = y + m0 * N;
             switch (mb) {   /* compile-time rows and kind per case: the loops unroll */
-#define QG_KIND(R, KIND) (g16 ? qgemm_tile_g16(xm, dm, qm, R, K, KIND, qw, sc, N, t, ym) \
-                                 : qgemm_tile(xm, dm, sm, qm, R, K, G, KIND, qw, sc, mn, N, t, ym))
+#define QG_KIND(R, KIND) (g16 ? qgemm_tile_g16(xm, dm, qm, R, K, KIND, qw, sc, N, t, ym, streamed) \
+                                 : qgemm_tile(xm, dm, sm, qm, R, K, G, KIND, qw, sc, mn, N, t, ym, streamed))
 #define QG_CALL(R) switch (kind) { case 0: QG_KIND(R, 0); break; case 1: QG_KIND(R, 1); break; \
                                    case KIND_HALF: QG_KIND(R, KIND_HALF); break;            \
                                    case QG_KIND_I5: QG_KIND(R, QG_KIND_I5); break;          \
