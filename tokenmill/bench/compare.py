@@ -41,6 +41,7 @@ import tempfile
 from typing import Optional
 
 from tokenmill.bench import compare_contexts
+from tokenmill.config import CPU_ISAS
 from tokenmill.bench.report import Chart, add_output_args, markdown_table
 from tokenmill.bench.workloads import random_ids
 
@@ -86,7 +87,7 @@ def add_parser(sub) -> None:
                    help="the Python of a separate environment whose llama-cpp-python runs the "
                         "llama.cpp rows (e.g. one built without AVX-512 for --cpu-isa avx2); "
                         "default: this one")
-    p.add_argument("--cpu-isa", default="native", choices=["native", "avx2"],
+    p.add_argument("--cpu-isa", default="native", choices=CPU_ISAS,
                    help="avx2: every row as on an AVX2-only CPU: tokenmill's kernels built "
                         "without AVX-512 (cpu_isa), and torch's and oneDNN's capped too "
                         "(ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2 in each engine's "

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Optional
 
-from tokenmill.config import ATTENTION_BACKENDS, DEVICES, KV_CACHE_DTYPES
+from tokenmill.config import ATTENTION_BACKENDS, CPU_ISAS, DEVICES, KV_CACHE_DTYPES
 
 
 def _default_cache_dir() -> Optional[str]:
@@ -85,7 +85,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="bfloat16 (CPUs with AVX-512 BF16 only): every float matmul on a "
                         "tiled bf16 copy, activations rounded to bf16, fp32 sums: faster "
                         "prefill, batches and decode, small accuracy cost")
-    g.add_argument("--cpu-isa", default="native", choices=["native", "avx2"],
+    g.add_argument("--cpu-isa", default="native", choices=CPU_ISAS,
                    help="instruction sets of the CPU kernels: native (all this CPU has) or avx2 "
                         "(the build an AVX2-only CPU runs, no AVX-512 path: to measure or check "
                         "that code on an AVX-512 machine)")
