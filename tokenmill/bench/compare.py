@@ -41,9 +41,9 @@ import tempfile
 from typing import Optional
 
 from tokenmill.bench import compare_contexts
-from tokenmill.config import CPU_ISAS
 from tokenmill.bench.report import Chart, add_output_args, markdown_table
 from tokenmill.bench.workloads import random_ids
+from tokenmill.config import CPU_ISAS
 
 ROW_COLUMNS = ("name", "status", "decode_tok_s", "prefill_tok_s", "throughput_tok_s",
                "peak_rss_mb", "greedy_agreement", "decode_x_floor", "tokenmill_vs.decode",

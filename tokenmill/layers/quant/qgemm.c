@@ -249,6 +249,7 @@ INLINE void qgemm_tile_g16_as(const int8_t *xq, const float *dx, const int mb, i
     }
 }
 
+/* as qgemm_tile below: streamed a constant in each call */
 INLINE void qgemm_tile_g16(const int8_t *xq, const float *dx, const int32_t *qsum, const int mb,
                            int64_t K, int kind, const uint8_t *qw, const float *sc, int64_t N,
                            int64_t t, float *y, const int streamed) {
@@ -262,8 +263,9 @@ INLINE void qgemm_tile_g16(const int8_t *xq, const float *dx, const int32_t *qsu
 /* AVX2: the same tiles as two halves of 8 rows (one ymm lane each), vpmaddubsw + vpmaddwd
  * for each vpdpbusd; int8 weights by the sign trick (|q| unsigned, x with q's sign). Every
  * lane sums the same integers and then runs the same float operations in the same order
- * as the VNNI build: the two builds' outputs are bit-identical. */
-/* Block b (of group g) of half h (rows 8h .. 8h + 7 of tile t) for mb activation rows into
+ * as the VNNI build: the two builds' outputs are bit-identical.
+ *
+ * Block b (of group g) of half h (rows 8h .. 8h + 7 of tile t) for mb activation rows into
  * acc: the integer dot, then one multiply-add by the scales. */
 INLINE void qg_half_block(const int8_t *xq, const float *dx, const int32_t *qsum, const int mb,
                           int64_t K, int64_t ngroups, int kind, int offset, const uint8_t *qw,
@@ -353,6 +355,7 @@ INLINE void qgemm_tile_as(const int8_t *xq, const float *dx, const float *xsum, 
     }
 }
 
+/* streamed as a constant in each call: each order is compiled apart, its loops unrolled */
 INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, const int32_t *qsum,
                        const int mb, int64_t K, int64_t G, int kind, const uint8_t *qw,
                        const float *sc, const float *mn, int64_t N, int64_t t, float *y,
