@@ -178,7 +178,10 @@ class SpeculativeConfig:
     target layers a layer_skip draft runs. ``adaptive``: pick k per step (0..k) from measured
     cost and acceptance instead of always k. ``ngram_first``: a request whose context repeats
     itself gets prompt-lookup drafts (prompt_lookup_min / max), the method's drafter drafts
-    for the others."""
+    for the others. ``speculative_token_tree`` (vLLM's spelling, eagle3): paths of child
+    ranks, e.g. "[(0,), (1,), (2,), (0, 0)]": besides its chain of first choices the drafter
+    offers its next choices at each depth as leaf alternatives, verified in the same forward
+    (spec/draft_tree.py); depths past the tree's continue the chain alone."""
 
     method: str
     num_speculative_tokens: int = 4
@@ -190,6 +193,7 @@ class SpeculativeConfig:
     seed: int = 0                          # random medusa / eagle heads
     quantization: Optional[str] = None     # "int8": serve an eagle3 / dflash drafter's linears in int8
     ngram_first: bool = False
+    speculative_token_tree: Optional[object] = None   # str or list of tuples (vLLM's spelling)
 
     def __post_init__(self) -> None:
         if self.method not in _SPEC_METHODS:
@@ -216,6 +220,25 @@ class SpeculativeConfig:
                              "the method is already 'ngram'")
         if self.num_layers is not None and (not isinstance(self.num_layers, int) or self.num_layers < 1):
             raise ValueError(f"num_layers must be a positive integer, got {self.num_layers!r}")
+        if self.speculative_token_tree is not None:
+            widths = self.tree_widths
+            if self.method != "eagle3":
+                raise ValueError(f"speculative_token_tree needs a drafter that ranks its choices "
+                                 f"(eagle3), not {self.method!r}")
+            if len(widths) > k:
+                raise ValueError(f"speculative_token_tree is {len(widths)} deep, past "
+                                 f"num_speculative_tokens ({k})")
+            if k + sum(w - 1 for w in widths) > 32:
+                raise ValueError("speculative_token_tree: more than 32 draft tokens per step")
+
+    @property
+    def tree_widths(self) -> tuple:
+        """Candidates per depth (the chain's included), num_speculative_tokens of them:
+        (1, ..) without a tree."""
+        from tokenmill.spec.draft_tree import parse_token_tree
+        widths = () if self.speculative_token_tree is None else \
+            parse_token_tree(self.speculative_token_tree)
+        return widths + (1,) * (self.num_speculative_tokens - len(widths))
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpeculativeConfig":

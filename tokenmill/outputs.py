@@ -32,6 +32,8 @@ class ModelRunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     # req_id -> draft tokens proposed for the next step (speculative decoding)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> the parent of each of those drafts when they form a tree (spec/draft_tree.py)
+    draft_parents: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> pooled vector of a pooling request whose prompt was completed this step
     pooled: dict[str, list[float]] = field(default_factory=dict)
 

@@ -72,6 +72,8 @@ class Request:
         # Draft tokens proposed for the next step: scheduled after the newest token, verified
         # by the target, then replaced (never appended to the output as such).
         self.spec_token_ids: list[int] = []
+        # their parents when they form a tree (spec/draft_tree.py; None: a chain)
+        self.spec_parents: Optional[list[int]] = None
         self.num_computed_tokens = 0              # tokens whose KV is in the cache
         self.num_cached_tokens = 0                # of the prompt, served by the prefix cache
         self.status = RequestStatus.WAITING

@@ -396,8 +396,8 @@ class CheckingProposer(Eagle3Proposer):
                          base.block_size, base.device)
         self.runner, self.checked = runner, 0
 
-    def draft(self, states, counts):
-        drafts = super().draft(states, counts)
+    def draft(self, states, counts, widths=()):
+        drafts = super().draft(states, counts, widths)
         for s, d in zip(states, drafts):
             if self.checked >= 60:   # enough seen (each check reruns the target)
                 break

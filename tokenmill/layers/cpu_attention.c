@@ -1,7 +1,8 @@
-/* Paged attention of short query runs (decode tokens, speculative runs) for the fused
- * CPU path: reads K/V straight from the paged cache through the block table, float32,
- * float16 / bfloat16 (half the bytes, widened in registers) or int8 with per-slot scales. Reference: tokenmill/layers/attention/reference.py; the tests
- * compare the two (tests/layers/test_cpu_ops.py). */
+/* Paged attention of short query runs (decode tokens, speculative runs and draft trees)
+ * for the fused CPU path: reads K/V straight from the paged cache through the block table,
+ * float32, float16 / bfloat16 (half the bytes, widened in registers) or int8 with per-slot
+ * scales. Reference: tokenmill/layers/attention/reference.py; the tests compare the two
+ * (tests/layers/test_cpu_ops.py, test_tree_attention.py). */
 #include "cpu_simd.h"
 
 #define ATT_MAX_G 8   /* query heads per KV head handled together (GQA group) */
@@ -20,6 +21,24 @@ static inline void prefetch_bytes(const void *p, int64_t nbytes) {
 /* Address of element `elem` of a cache of value type dt. */
 static inline const void *kv_at(const void *cache, int64_t elem, int dt) {
     return (const char *)cache + elem * kv_elem_bytes(dt);
+}
+
+/* A draft tree's leaf alternative sits at position p, the position of the chain node it
+ * replaces, but its own K/V were written to the slot of its index position in the run:
+ * every key of its row is read through the block table as usual except the one at p, read
+ * from slot `to` instead of slot `from` (slots: block * bs + offset). The swap is by slot,
+ * not by key index, so each key keeps its index and code path (4-key groups, tail, split
+ * runs) and the row's bits are those of a row at p whose cache held the alternative
+ * there; a slot names one position of a request, so no other key of the row matches.
+ * from = -1 (NO_SWAP): an ordinary row, one compare per key. */
+typedef struct { int64_t from, to; } key_swap;
+static const key_swap NO_SWAP = {-1, -1};
+
+/* The slot of the key at block-table entry blk, offset off, after the row's swap. */
+static inline int64_t key_slot(const int64_t *table, int64_t blk, int64_t off, int64_t bs,
+                               key_swap sw) {
+    const int64_t slot = table[blk] * bs + off;
+    return slot == sw.from ? sw.to : slot;
 }
 
 /* q . rows[r] + off for four key rows at once (D % 8 == 0), times scale: the block both
@@ -104,7 +123,7 @@ add4_heads(float *o, int64_t D, const int hb, const float w[][4], const void *co
  * bf16: dt), D % 16 == 0. Each key row is loaded once for all G heads; four keys are
  * reduced together. */
 static void scores_kv(const float *qv, int64_t G, int64_t D, const void *k_cache, int dt,
-                      const int64_t *table, int64_t bs, int64_t Hkv, int64_t kvh,
+                      const int64_t *table, int64_t bs, int64_t Hkv, int64_t kvh, key_swap sw,
                       int64_t first, int64_t n, float scale, float *scores /* [G][n] */) {
     const int64_t row_bytes = D * (dt == KV_F32 ? 4 : 2);
     int64_t blk = first / bs, off = first % bs;
@@ -118,7 +137,7 @@ static void scores_kv(const float *qv, int64_t G, int64_t D, const void *k_cache
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
         for (int r = 0; r < 4; r++) {
-            rows[r] = kv_at(k_cache, ((table[blk] * bs + off) * Hkv + kvh) * D, dt);
+            rows[r] = kv_at(k_cache, (key_slot(table, blk, off, bs, sw) * Hkv + kvh) * D, dt);
             if (++off == bs) { off = 0; blk++; }
             if (pf_pos < pf_end) {
                 prefetch_bytes(kv_at(k_cache, ((table[pf_blk] * bs + pf_off) * Hkv + kvh) * D, dt),
@@ -131,7 +150,7 @@ static void scores_kv(const float *qv, int64_t G, int64_t D, const void *k_cache
             _mm_storeu_ps(scores + g * n + j, dot4_scaled(qv + g * D, rows, 0, D, scale, dt));
     }
     for (; j < n; j++) {
-        const void *row = kv_at(k_cache, ((table[blk] * bs + off) * Hkv + kvh) * D, dt);
+        const void *row = kv_at(k_cache, (key_slot(table, blk, off, bs, sw) * Hkv + kvh) * D, dt);
         if (++off == bs) { off = 0; blk++; }
         for (int64_t g = 0; g < G; g++) scores[g * n + j] = dot_kv(qv + g * D, row, D, dt) * scale;
     }
@@ -141,7 +160,8 @@ static void scores_kv(const float *qv, int64_t G, int64_t D, const void *k_cache
  * per head stay in registers across all keys, each V chunk is loaded once for all heads. */
 static void weighted_values_kv(const float *p, int64_t G, int64_t D, const void *v_cache, int dt,
                                const int64_t *table, int64_t bs, int64_t Hkv, int64_t kvh,
-                               int64_t first, int64_t n, float *out, int64_t out_stride) {
+                               key_swap sw, int64_t first, int64_t n, float *out,
+                               int64_t out_stride) {
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
         for (int64_t g0 = 0; g0 < G; g0 += 2) {   /* two heads: 8 accumulators + 4 loads */
             const int64_t gn = G - g0 < 2 ? G - g0 : 2;
@@ -152,7 +172,8 @@ static void weighted_values_kv(const float *p, int64_t G, int64_t D, const void 
             for (int k = 0; k < ATT_PF && pf_pos < first + n; k++, pf_pos++)
                 if (++pf_off == bs) { pf_off = 0; pf_blk++; }
             for (int64_t j = 0; j < n; j++) {
-                const void *row = kv_at(v_cache, ((table[blk] * bs + off) * Hkv + kvh) * D + d0, dt);
+                const int64_t slot = key_slot(table, blk, off, bs, sw);
+                const void *row = kv_at(v_cache, (slot * Hkv + kvh) * D + d0, dt);
                 if (++off == bs) { off = 0; blk++; }
                 if (pf_pos < first + n) {
                     prefetch_bytes(kv_at(v_cache, ((table[pf_blk] * bs + pf_off) * Hkv + kvh) * D + d0, dt),
@@ -229,21 +250,22 @@ static void softmax_rows(float *scores, int64_t G, int64_t n, float *row_max, fl
 }
 
 /* Attention of one query row for G consecutive query heads h0.. sharing KV head kvh, over
- * keys first .. first + n - 1. part_max == NULL: o = the normalized output. Otherwise a
- * partial result over this run of keys, for merging (attend_split): o = unnormalized
- * sum_j exp(s_j - max) v_j, part_max / part_sum = each head's max score and sum of exps. */
+ * keys first .. first + n - 1 (sw: the row's own key, key_swap). part_max == NULL: o = the
+ * normalized output. Otherwise a partial result over this run of keys, for merging
+ * (attend_split): o = unnormalized sum_j exp(s_j - max) v_j, part_max / part_sum = each
+ * head's max score and sum of exps. */
 static void attend(const float *qv, int64_t G, int64_t D, const void *k_cache, const void *v_cache,
                    const float *k_scale, const float *v_scale, int dt, const int64_t *table,
-                   int64_t bs, int64_t Hkv, int64_t kvh, int64_t first, int64_t n, float scale,
-                   float *o, float *scores, float *part_max, float *part_sum) {
+                   int64_t bs, int64_t Hkv, int64_t kvh, key_swap sw, int64_t first, int64_t n,
+                   float scale, float *o, float *scores, float *part_max, float *part_sum) {
     float mx[ATT_MAX_G], sm[ATT_MAX_G];
     const int fast = dt != KV_I8 && D % 32 == 0;
     if (fast) {
-        scores_kv(qv, G, D, k_cache, dt, table, bs, Hkv, kvh, first, n, scale, scores);
+        scores_kv(qv, G, D, k_cache, dt, table, bs, Hkv, kvh, sw, first, n, scale, scores);
     } else {
         int64_t blk = first / bs, off = first % bs;
         for (int64_t j = 0; j < n; j++) {
-            const int64_t slot = (table[blk] * bs + off) * Hkv + kvh;
+            const int64_t slot = key_slot(table, blk, off, bs, sw) * Hkv + kvh;
             if (++off == bs) { off = 0; blk++; }
             for (int64_t g = 0; g < G; g++)
                 scores[g * n + j] = dt == KV_I8
@@ -253,12 +275,12 @@ static void attend(const float *qv, int64_t G, int64_t D, const void *k_cache, c
     }
     softmax_rows(scores, G, n, mx, sm);
     if (fast) {
-        weighted_values_kv(scores, G, D, v_cache, dt, table, bs, Hkv, kvh, first, n, o, D);
+        weighted_values_kv(scores, G, D, v_cache, dt, table, bs, Hkv, kvh, sw, first, n, o, D);
     } else {
         for (int64_t g = 0; g < G; g++) memset(o + g * D, 0, sizeof(float) * (size_t)D);
         int64_t blk = first / bs, off = first % bs;
         for (int64_t j = 0; j < n; j++) {
-            const int64_t slot = (table[blk] * bs + off) * Hkv + kvh;
+            const int64_t slot = key_slot(table, blk, off, bs, sw) * Hkv + kvh;
             if (++off == bs) { off = 0; blk++; }
             for (int64_t g = 0; g < G; g++) {
                 const float p = scores[g * n + j];
@@ -277,14 +299,15 @@ static void attend(const float *qv, int64_t G, int64_t D, const void *k_cache, c
     }
 }
 
-/* Walks the keys first, first + 1, .. of a run through a block table, one slot row of
- * row_len values each, prefetching the row about ATT_PF_BYTES ahead (4 to 32 keys) while
- * inside the run (the loads wait on cache misses otherwise: each key's row is a new stretch
- * of the cache). */
-typedef struct { int64_t blk, off, pf, pf_blk, pf_off, end; } slot_walk;
+/* Walks the keys first, first + 1, .. of a run through a block table (and the row's
+ * swap), one slot row of row_len values each, prefetching the row about ATT_PF_BYTES ahead
+ * (4 to 32 keys) while inside the run (the loads wait on cache misses otherwise: each key's
+ * row is a new stretch of the cache). The prefetch ignores the swap: one key's row missed. */
+typedef struct { int64_t blk, off, pf, pf_blk, pf_off, end; key_swap sw; } slot_walk;
 
-static inline slot_walk walk_from(int64_t first, int64_t n, int64_t bs, int64_t row_bytes) {
-    slot_walk w = {first / bs, first % bs, first, first / bs, first % bs, first + n};
+static inline slot_walk walk_from(int64_t first, int64_t n, int64_t bs, int64_t row_bytes,
+                                  key_swap sw) {
+    slot_walk w = {first / bs, first % bs, first, first / bs, first % bs, first + n, sw};
     int64_t ahead = ATT_PF_BYTES / row_bytes;
     ahead = ahead < 4 ? 4 : ahead > 32 ? 32 : ahead;
     for (int k = 0; k < ahead && w.pf < w.end; k++, w.pf++)
@@ -295,7 +318,7 @@ static inline slot_walk walk_from(int64_t first, int64_t n, int64_t bs, int64_t 
 /* The current key's row (a float cache of value type dt); steps to the next key. */
 static inline const void *walk_next(slot_walk *w, const void *cache, const int64_t *table,
                                     int64_t bs, int64_t row_len, int dt) {
-    const void *row = kv_at(cache, (table[w->blk] * bs + w->off) * row_len, dt);
+    const void *row = kv_at(cache, key_slot(table, w->blk, w->off, bs, w->sw) * row_len, dt);
     if (++w->off == bs) { w->off = 0; w->blk++; }
     if (w->pf < w->end) {
         prefetch_bytes(kv_at(cache, (table[w->pf_blk] * bs + w->pf_off) * row_len, dt),
@@ -306,8 +329,9 @@ static inline const void *walk_next(slot_walk *w, const void *cache, const int64
     return row;
 }
 
-/* All Hq query heads of one row over keys first .. first + n - 1, cache of value type dt
- * (int8 with per-slot scales k_scale / v_scale [slots, Hkv]), D % 32 == 0: each key's K
+/* All Hq query heads of one row over keys first .. first + n - 1 (sw: key_swap), cache of
+ * value type dt (int8 with per-slot scales k_scale / v_scale [slots, Hkv], each taken at
+ * the slot the key was read from), D % 32 == 0: each key's K
  * row and V row (every KV head, contiguous) are read once, in slot order, so a block is one
  * sequential stretch, instead of one strided pass per KV head. For float caches the
  * arithmetic per head is scores_kv's and weighted_values_kv's, in the same order, so the
@@ -317,10 +341,10 @@ static inline const void *walk_next(slot_walk *w, const void *cache, const int64
 static inline __attribute__((always_inline)) void attend_heads_as(
         const float *qv, int64_t Hq, int64_t Hkv, int64_t D, const void *k_cache,
         const void *v_cache, const float *k_scale, const float *v_scale, int dt,
-        const int64_t *table, int64_t bs, int64_t first, int64_t n, float scale, float *o,
-        float *scores, float *stats, int partial) {
+        const int64_t *table, int64_t bs, key_swap sw, int64_t first, int64_t n, float scale,
+        float *o, float *scores, float *stats, int partial) {
     const int64_t group = Hq / Hkv, row_len = Hkv * D;
-    slot_walk keys = walk_from(first, n, bs, row_len * kv_elem_bytes(dt));
+    slot_walk keys = walk_from(first, n, bs, row_len * kv_elem_bytes(dt), sw);
     int64_t j = 0;
     for (; j + 4 <= n; j += 4) {
         const void *rows[4];
@@ -362,7 +386,7 @@ static inline __attribute__((always_inline)) void attend_heads_as(
     }
     softmax_rows(scores, Hq, n, stats, stats + Hq);
     memset(o, 0, sizeof(float) * (size_t)(Hq * D));
-    slot_walk values = walk_from(first, n, bs, row_len * kv_elem_bytes(dt));
+    slot_walk values = walk_from(first, n, bs, row_len * kv_elem_bytes(dt), sw);
     /* four keys at a time (add4_heads), then the rest one by one */
     for (j = 0; j + 4 <= n; j += 4) {
         const void *rows[4];
@@ -415,10 +439,11 @@ static inline __attribute__((always_inline)) void attend_heads_as(
 static void attend_heads(const float *qv, int64_t Hq, int64_t Hkv, int64_t D,
                          const void *k_cache, const void *v_cache, const float *k_scale,
                          const float *v_scale, int dt, const int64_t *table, int64_t bs,
-                         int64_t first, int64_t n, float scale, float *o, float *scores,
-                         float *stats, int partial) {
+                         key_swap sw, int64_t first, int64_t n, float scale, float *o,
+                         float *scores, float *stats, int partial) {
 #define ATTEND_HEADS_AS(DT) attend_heads_as(qv, Hq, Hkv, D, k_cache, v_cache, k_scale, v_scale, \
-                                            DT, table, bs, first, n, scale, o, scores, stats, partial)
+                                            DT, table, bs, sw, first, n, scale, o, scores, stats, \
+                                            partial)
     switch (dt) {
     case KV_F16: ATTEND_HEADS_AS(KV_F16); break;
     case KV_BF16: ATTEND_HEADS_AS(KV_BF16); break;
@@ -449,10 +474,10 @@ static inline int64_t row_parts(int64_t n, int nthreads) {
 /* Run s of S of a row's keys first .. first + n - 1, every head (D % 32 == 0: attend_heads,
  * one sequential stretch of slot rows; else one pass per KV head): the unnormalized sums
  * into part [Hq][D], each head's max score and sum of exps into pmax, psum [Hq]. scores:
- * Hq * (n / S + 1) + 2 Hq floats. */
-static void attend_part(const att_kv *c, const float *qv, const int64_t *table, int64_t first,
-                        int64_t n, int64_t S, int64_t s, float *part, float *pmax, float *psum,
-                        float *scores) {
+ * Hq * (n / S + 1) + 2 Hq floats. sw: the row's swap (only the last run holds its key). */
+static void attend_part(const att_kv *c, const float *qv, const int64_t *table, key_swap sw,
+                        int64_t first, int64_t n, int64_t S, int64_t s, float *part, float *pmax,
+                        float *psum, float *scores) {
     const int64_t Hq = c->Hq, D = c->D, group = Hq / c->Hkv;
     const int64_t lo = first + n * s / S, hi = first + n * (s + 1) / S;
     if (hi == lo) {   /* an empty run adds nothing */
@@ -461,13 +486,13 @@ static void attend_part(const att_kv *c, const float *qv, const int64_t *table, 
     } else if (D % 32 == 0) {
         float *stats = scores + Hq * (hi - lo);
         attend_heads(qv, Hq, c->Hkv, D, c->k_cache, c->v_cache, c->k_scale, c->v_scale, c->dt,
-                     table, c->bs, lo, hi - lo, c->scale, part, scores, stats, 1);
+                     table, c->bs, sw, lo, hi - lo, c->scale, part, scores, stats, 1);
         memcpy(pmax, stats, sizeof(float) * (size_t)Hq);
         memcpy(psum, stats + Hq, sizeof(float) * (size_t)Hq);
     } else {
         for (int64_t h0 = 0; h0 < Hq; h0 += group)
             attend(qv + h0 * D, group, D, c->k_cache, c->v_cache, c->k_scale, c->v_scale, c->dt,
-                   table, c->bs, c->Hkv, h0 / group, lo, hi - lo, c->scale, part + h0 * D,
+                   table, c->bs, c->Hkv, h0 / group, sw, lo, hi - lo, c->scale, part + h0 * D,
                    scores, pmax + h0, psum + h0);
     }
 }
@@ -499,17 +524,18 @@ static inline int64_t parts_floats(const att_kv *c, int64_t S) { return S * c->H
 /* A row split in S runs, one after another on this thread (buf: parts_floats, scores as
  * attend_part's): the same bits as the runs spread over threads (split_rows). */
 static void attend_split_here(const att_kv *c, const float *qv, const int64_t *table,
-                              int64_t first, int64_t n, int64_t S, float *o, float *buf,
-                              float *scores) {
+                              key_swap sw, int64_t first, int64_t n, int64_t S, float *o,
+                              float *buf, float *scores) {
     float *pmax = buf + S * c->Hq * c->D, *psum = pmax + S * c->Hq;
     for (int64_t s = 0; s < S; s++)
-        attend_part(c, qv, table, first, n, S, s, buf + s * c->Hq * c->D, pmax + s * c->Hq,
+        attend_part(c, qv, table, sw, first, n, S, s, buf + s * c->Hq * c->D, pmax + s * c->Hq,
                     psum + s * c->Hq, scores);
     merge_parts(c, S, buf, pmax, psum, o);
 }
 
-/* A query row whose keys are split: its index, its request's block table, its keys. */
-typedef struct { int64_t row; const int64_t *table; int64_t first, n; } split_row;
+/* A query row whose keys are split: its index, its request's block table, its swap, its
+ * keys. */
+typedef struct { int64_t row; const int64_t *table; key_swap sw; int64_t first, n; } split_row;
 
 /* Few requests: the S runs of every split row as parallel tasks (schedule(static, 1): with
  * S = nthreads each thread takes one run of each row), then each row's merge. Returns
@@ -531,8 +557,8 @@ static int split_rows(const att_kv *c, const float *q, int64_t q_stride, const s
             continue;
         }
         float *part = buf + (task / S) * per_row, *pmax = part + S * Hq * D, *psum = pmax + S * Hq;
-        attend_part(c, q + r->row * q_stride, r->table, r->first, r->n, S, s, part + s * Hq * D,
-                    pmax + s * Hq, psum + s * Hq, scores);
+        attend_part(c, q + r->row * q_stride, r->table, r->sw, r->first, r->n, S, s,
+                    part + s * Hq * D, pmax + s * Hq, psum + s * Hq, scores);
         free(scores);
     }
     if (!failed)
@@ -549,12 +575,28 @@ static inline int64_t window_first(int64_t p, int64_t window) {
     return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
 }
 
+/* The slot of position pos through a request's block table. */
+static inline int64_t pos_slot(const int64_t *table, int64_t pos, int64_t bs) {
+    return table[pos / bs] * bs + pos % bs;
+}
+
+/* Query row `row` of a request, its index position idx (ctx + i): its position *p
+ * (q_pos[row], or idx where q_pos is NULL) and the swap that reads its own key, written at
+ * the slot of idx, in place of the key at *p. */
+static inline key_swap row_key(const int64_t *q_pos, int64_t row, int64_t idx,
+                               const int64_t *table, int64_t bs, int64_t *p) {
+    *p = q_pos ? q_pos[row] : idx;
+    if (*p == idx) return NO_SWAP;
+    return (key_swap){pos_slot(table, *p, bs), pos_slot(table, idx, bs)};
+}
+
 /* The requests of one call: block_tables [B, bt_stride]; request b's query rows q_start[b]
- * .. + q_len[b] - 1 end at position seq_len[b] - 1; window <= 0: none. */
+ * .. + q_len[b] - 1 end at index position seq_len[b] - 1; q_pos: NULL, or each row's
+ * position (row_key); window <= 0: none. */
 typedef struct {
     const int64_t *block_tables;
-    int64_t bt_stride, B;
-    const int64_t *q_start, *q_len, *seq_len;
+    int64_t bt_stride, B, bs;
+    const int64_t *q_start, *q_len, *seq_len, *q_pos;
     int64_t window;
 } att_batch;
 
@@ -567,10 +609,13 @@ static int split_long_rows(const att_kv *c, const att_batch *a, const float *q, 
     *nrows = 0;
     for (int64_t b = 0; b < a->B; b++)
         for (int64_t i = 0; i < a->q_len[b]; i++) {
-            const int64_t p = a->seq_len[b] - a->q_len[b] + i, first = window_first(p, a->window);
+            const int64_t row = a->q_start[b] + i, *table = a->block_tables + b * a->bt_stride;
+            int64_t p;
+            const key_swap sw = row_key(a->q_pos, row, a->seq_len[b] - a->q_len[b] + i, table,
+                                        a->bs, &p);
+            const int64_t first = window_first(p, a->window);
             if (row_parts(p - first + 1, nthreads) > 1)
-                rows[(*nrows)++] = (split_row){a->q_start[b] + i, a->block_tables + b * a->bt_stride,
-                                               first, p - first + 1};
+                rows[(*nrows)++] = (split_row){row, table, sw, first, p - first + 1};
         }
     const int failed = *nrows ? split_rows(c, q, q_stride, rows, *nrows, S, out, nthreads) : 0;
     free(rows);
@@ -587,16 +632,20 @@ static int split_long_rows(const att_kv *c, const att_batch *a, const float *q, 
  * [num_blocks, bs, Hkv, D] of dt: KV_F32, KV_F16, KV_BF16, or KV_I8 with a float scale per
  * slot per KV head (k_scale / v_scale: value = scale[block, offset, head] * int8);
  * block_tables [B, bt_stride];
- * request b has query rows q_start[b] .. q_start[b] + q_len[b] - 1 at positions
- * seq_len[b] - q_len[b] + i, each attending to keys at positions <= its own and
- * > position - window (window <= 0: no window). Returns nonzero if a buffer could not be
- * allocated (out then undefined). */
+ * request b has query rows q_start[b] .. q_start[b] + q_len[b] - 1; row i's K/V sit at
+ * the slot of its index position ctx + i (ctx = seq_len[b] - q_len[b]). q_pos NULL: row i
+ * sits at position p = ctx + i. Otherwise (speculative draft trees) q_pos[q_start[b] + i]
+ * is its position p <= ctx + i: a leaf alternative to the chain node at p reads the keys
+ * before p through the table as usual and its own key at p from the slot of ctx + i
+ * (key_swap), with the bits of a row at p whose cache held it there. Each row attends to
+ * keys at positions <= p and > p - window (window <= 0: no window). Returns nonzero if a
+ * buffer could not be allocated (out then undefined). */
 int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, const void *k_cache,
                        const void *v_cache, const float *k_scale, const float *v_scale, int dt,
                        int64_t bs, int64_t Hkv, const int64_t *block_tables,
                        int64_t bt_stride, int64_t B, const int64_t *q_start, const int64_t *q_len,
-                       const int64_t *seq_len, float scale, int64_t window, float *out,
-                       int nthreads) {
+                       const int64_t *seq_len, const int64_t *q_pos, float scale, int64_t window,
+                       float *out, int nthreads) {
     const att_kv c = {k_cache, v_cache, k_scale, v_scale, dt, Hq, Hkv, D, bs, scale};
     const int64_t group = Hq / Hkv, S = row_parts(INT64_MAX, nthreads);
     /* enough requests to keep every thread busy with whole requests: one task per request,
@@ -617,7 +666,8 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
     const int few = (D % 32 == 0 ? B : B * Hkv) < 2 * nthreads;
     if (few && S > 1) {
         int64_t nrows = 0;
-        const att_batch batch = {block_tables, bt_stride, B, q_start, q_len, seq_len, window};
+        const att_batch batch = {block_tables, bt_stride, B, bs, q_start, q_len, seq_len, q_pos,
+                                 window};
         const int failed = split_long_rows(&c, &batch, q, q_stride, T, S, out, nthreads, &nrows);
         if (failed || nrows == T) return failed;
     }
@@ -638,22 +688,24 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
                 const int64_t h0 = r * G, kvh = h0 / group, ctx = seq_len[b] - q_len[b];
                 const int64_t *table = block_tables + b * bt_stride;
                 for (int64_t i = 0; i < q_len[b]; i++) {
-                    const int64_t row = q_start[b] + i, p = ctx + i;
+                    const int64_t row = q_start[b] + i;
+                    int64_t p;
+                    const key_swap sw = row_key(q_pos, row, ctx + i, table, bs, &p);
                     const int64_t first = window_first(p, window), n = p - first + 1;
                     if (row_parts(n, nthreads) > 1) {   /* split: done above, or here whole */
                         if (!few && r == 0)
-                            attend_split_here(&c, q + row * q_stride, table, first, n, S,
+                            attend_split_here(&c, q + row * q_stride, table, sw, first, n, S,
                                               out + row * Hq * D, scores + score_len + 2 * Hq + 8,
                                               scores);
                         continue;
                     }
                     if (all_heads)
                         attend_heads(q + row * q_stride, Hq, Hkv, D, k_cache, v_cache, k_scale,
-                                     v_scale, dt, table, bs, first, n, scale,
+                                     v_scale, dt, table, bs, sw, first, n, scale,
                                      out + row * Hq * D, scores, scores + G * max_len, 0);
                     else
                         attend(q + row * q_stride + h0 * D, G, D, k_cache, v_cache, k_scale, v_scale,
-                               dt, table, bs, Hkv, kvh, first, n, scale,
+                               dt, table, bs, Hkv, kvh, sw, first, n, scale,
                                out + (row * Hq + h0) * D, scores, NULL, NULL);
                 }
             }

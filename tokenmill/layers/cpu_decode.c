@@ -41,6 +41,7 @@ static inline float ld_float(int64_t bits) {
 typedef struct {
     int64_t T, H, Hq, Hkv, D, I;
     const int64_t *pos, *q_start, *q_len, *seq_len;
+    const int64_t *q_pos;   /* NULL, or each row's position in a draft tree (tm_paged_attention) */
     int64_t bs, B;
     int kv_dt, q8, nthreads;
 } dec_step;
@@ -90,7 +91,7 @@ static int attention(const int64_t *ld, const int64_t *lkv, const dec_step *s, c
     write_kv(w->qkv, s->T, s->Hq, s->Hkv, s->D, slots, kc, vc, ks, vs, s->kv_dt);
     if (tm_paged_attention(w->qkv, nqkv, s->Hq, s->D, kc, vc, ks, vs, s->kv_dt, s->bs, s->Hkv,
                            block_tables, lkv[LKV_TABLE_STRIDE], s->B, s->q_start, s->q_len, s->seq_len,
-                           ld_float(ld[LD_SCALE]), ld[LD_WINDOW], w->att, s->nthreads))
+                           s->q_pos, ld_float(ld[LD_SCALE]), ld[LD_WINDOW], w->att, s->nthreads))
         return 1;
     return dec_linear(lin + per_linear, bias(ld, LD_BIAS_O), w->att, s->T, qd, s->H, w->h, w->tmp,
                       w->xp, s->q8, s->nthreads) ? 2 : 0;
@@ -148,7 +149,9 @@ static dec_bufs carve(float *scratch, const dec_step *s) {
  * Caches: arrays of L addresses;
  * kv_dt: their value type (KV_F32 / KV_F16 / KV_BF16, or KV_I8 with k_scales / v_scales,
  * else NULL: L addresses of per-slot scales). scratch holds T * (2H + Q + Hq D + 3I +
- * max(Q, 2I, H) + max(H, Hq D, I)) floats, Q = (Hq + 2Hkv) D. q8: int8 / int4 linears take
+ * max(Q, 2I, H) + max(H, Hq D, I)) floats, Q = (Hq + 2Hkv) D. q_pos: NULL, or each row's
+ * attention position when the step verifies draft trees (tm_paged_attention's q_pos; the
+ * RoPE positions pos then hold the same values). q8: int8 / int4 linears take
  * int8-rounded activations (tm_qmm_q8). ffn_in: NULL, or [T, H] floats that receive the
  * FFN's normed input instead of running the FFN (MoE layers: the caller runs its experts
  * on it and adds them to x). Returns 1 if attention, 2 if the q8 kernel, could not
@@ -158,13 +161,13 @@ int tm_llama_decode(float *x, int64_t T, int64_t H, int64_t L, const int64_t *la
                     const int64_t *k_scales, const int64_t *v_scales, int kv_dt,
                     int64_t Hq, int64_t Hkv, int64_t D, int64_t I, const int64_t *pos,
                     int64_t bs, const int64_t *layer_kv, int64_t B, const int64_t *q_start,
-                    const int64_t *q_len, const int64_t *seq_len,
+                    const int64_t *q_len, const int64_t *seq_len, const int64_t *q_pos,
                     float *scratch, float *ffn_in, int q8, int nthreads,
                     float *aux, const int64_t *aux_col, int64_t n_aux) {
     /* aux [T, n_aux * H] (or NULL): after layer l, column block aux_col[l] >= 0 gets a copy of
      * x, so a drafter's layer features need no call of their own (no copy: aux_col[l] < 0) */
-    const dec_step s = {T, H, Hq, Hkv, D, I, pos, q_start, q_len, seq_len, bs, B, kv_dt, q8,
-                        nthreads};
+    const dec_step s = {T, H, Hq, Hkv, D, I, pos, q_start, q_len, seq_len, q_pos, bs, B, kv_dt,
+                        q8, nthreads};
     const dec_bufs w = carve(scratch, &s);
     for (int64_t l = 0; l < L; l++) {
         const int64_t *ld = layers + l * LD_FIELDS;

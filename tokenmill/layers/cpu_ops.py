@@ -298,13 +298,24 @@ def _cache_parts(cache) -> tuple:
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
                     seq_len: torch.Tensor, scale: float, sliding_window: Optional[int],
-                    out: torch.Tensor) -> bool:
+                    out: torch.Tensor, q_pos: Optional[torch.Tensor] = None) -> bool:
     """Attention for the requests listed in q_start / q_len / seq_len ([B] int64 each, CPU):
     query rows q_start[b] + i sit at position seq_len[b] - q_len[b] + i and attend causally
     (and within the window) to the cache through block_tables [B, W] int64. Writes those
-    rows of out [T, Hq, D]; False when not applicable (nothing written)."""
+    rows of out [T, Hq, D]; False when not applicable (nothing written).
+
+    ``q_pos`` (draft trees): None, or [T] int64 CPU, the position p of every query row of
+    ``query`` (indexed by row, q_start[b] + i), 0 <= p <= seq_len[b] - q_len[b] + i (not
+    checked here: AttentionMetadata.checked_query_positions). Row i then attends to the keys
+    at positions < p through the table and reads its own key at p from the slot of position
+    seq_len[b] - q_len[b] + i, where its K/V were written: the bits of a row at p whose cache
+    held that K/V at p (cpu_attention.c, key_swap)."""
+    if q_pos is not None and not (q_pos.dtype == torch.int64 and q_pos.device.type == "cpu"
+                                  and q_pos.is_contiguous() and q_pos.dim() == 1
+                                  and q_pos.shape[0] >= query.shape[0]):
+        raise ValueError("q_pos must be a contiguous CPU int64 tensor with one entry per query row")
     ran = _attention_kernel("tm_paged_attention", query, k_cache, v_cache, block_tables, q_start,
-                            q_len, seq_len, scale, sliding_window, out)
+                            q_len, seq_len, scale, sliding_window, out, (q_pos,))
     if ran is False:
         raise MemoryError("paged attention kernel could not allocate its score buffer")
     return bool(ran)
@@ -324,9 +335,10 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def _attention_kernel(name: str, query, k_cache, v_cache, block_tables, q_start, q_len, seq_len,
-                      scale: float, sliding_window: Optional[int], out):
+                      scale: float, sliding_window: Optional[int], out, tree: tuple = ()):
     """None where the kernels do not take these tensors, else whether the C call ran (the
-    two kernels share their arguments)."""
+    two kernels share their arguments, but for ``tree``: tm_paged_attention's (q_pos,) after
+    seq_len, a tensor or None; the prefill kernel takes no draft trees)."""
     k_data, k_scale, k_code = _cache_parts(k_cache)
     v_data, v_scale, v_code = _cache_parts(v_cache)
     if not (available() and k_data is not None and k_code == v_code and _ok(query, out)
@@ -341,7 +353,8 @@ def _attention_kernel(name: str, query, k_cache, v_cache, block_tables, q_start,
         k_scale.data_ptr() if k_scale is not None else None,
         v_scale.data_ptr() if v_scale is not None else None, k_code, bs, hkv,
         block_tables.data_ptr(), block_tables.shape[1], q_start.shape[0], q_start.data_ptr(),
-        q_len.data_ptr(), seq_len.data_ptr(), scale,
+        q_len.data_ptr(), seq_len.data_ptr(), *(None if t is None else t.data_ptr() for t in tree),
+        scale,
         sliding_window if sliding_window is not None else 0, out.data_ptr(),
         torch.get_num_threads())
     return not failed

@@ -84,6 +84,9 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
     q_start = meta.query_start_loc[:-1].contiguous()
     q_len = torch.tensor(meta.query_lens, dtype=torch.int64)
     seq_len = meta.seq_lens.contiguous()
+    # draft trees: each row's attention position (a leaf alternative's below its index
+    # position), the paged kernel reads its own key from its written slot; None: chains
+    q_pos = meta.checked_query_positions()
     kc, vc, ks, vs, kv_code = caches
 
     def call(first: int, count: int, ffn_in, aux_out=None, aux_cols=None) -> None:
@@ -93,7 +96,8 @@ def run_layers(model: nn.Module, x: torch.Tensor, positions: torch.Tensor, kv_ca
             x.data_ptr(), t, h, count, plan.layers[first].data_ptr(), at(kc), at(vc), at(ks), at(vs),
             kv_code, hq, hkv, d, i, positions.data_ptr(), plan.block_size, at(layer_kv, 3),
             len(meta.query_lens), q_start.data_ptr(),
-            q_len.data_ptr(), seq_len.data_ptr(), scratch.data_ptr(),
+            q_len.data_ptr(), seq_len.data_ptr(), None if q_pos is None else q_pos.data_ptr(),
+            scratch.data_ptr(),
             None if ffn_in is None else ffn_in.data_ptr(), int(activations == "q8"),
             torch.get_num_threads(), None if aux_out is None else aux_out.data_ptr(),
             None if aux_cols is None else aux_cols.data_ptr(), 0 if aux is None else len(aux.layers))

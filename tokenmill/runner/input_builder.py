@@ -12,6 +12,7 @@ from tokenmill.layers.attention.metadata import AttentionMetadata, to_device
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sample.noise_budget import NoiseBudget
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec import draft_tree
 
 
 @dataclass
@@ -27,6 +28,7 @@ class RunnerRequestState:
     seed: Optional[int]
     generator: Optional[torch.Generator] = None
     spec_token_ids: list[int] = field(default_factory=list)   # drafts scheduled this step
+    spec_parents: Optional[list[int]] = None   # their parents when they form a tree (spec/draft_tree.py)
     # output position -> [V] Exp(1) noise a coupled drafter drew ahead (spec/coupled.py);
     # the sampler takes it instead of drawing the same values again
     drawn_noise: dict = field(default_factory=dict)
@@ -108,6 +110,8 @@ class ModelInput:
     # Per sample request: k drafts scored at k + 1 logits rows. Empty when no request has drafts
     # (then logits_indices holds one row per sample request).
     num_draft_tokens: list[int] = field(default_factory=list)
+    # Per sample request: how deep its drafts go (a chain: k; a tree: its chain's length)
+    draft_depths: list[int] = field(default_factory=list)
     pooling: list[PoolingSlice] = field(default_factory=list)   # never in sample_req_ids
 
 
@@ -122,6 +126,8 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
     query_lens, seq_lens, block_tables, prompt_runs = [], [], [], []
     sample_req_ids, logits_indices, prompt_slices, pooling = [], [], [], []
     num_draft_tokens: list[int] = []
+    draft_depths: list[int] = []
+    trees = False   # a request verifies a draft tree: its nodes sit at root + depth
     req_ids = list(num_scheduled_tokens)
     for req_id in req_ids:
         state, n = states[req_id], num_scheduled_tokens[req_id]
@@ -129,6 +135,10 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
         offset = len(input_ids)
         input_ids.extend(state.tokens(start, end))
         positions.extend(range(start, end))
+        if state.spec_parents is not None and end > state.num_tokens:
+            first = len(positions) - (end - state.num_tokens)     # the drafts' rows
+            positions[first:] = [state.num_tokens - 1 + d for d in draft_tree.depths(state.spec_parents)]
+            trees = True
         query_lens.append(n)
         seq_lens.append(end)
         block_tables.append(state.block_tables)
@@ -140,6 +150,8 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
             sample_req_ids.append(req_id)
             logits_indices.extend(range(offset + n - 1 - num_drafts, offset + n))
             num_draft_tokens.append(num_drafts)
+            draft_depths.append(draft_tree.chain_length(state.spec_parents[:num_drafts])
+                                if state.spec_parents is not None else num_drafts)
         if state.params.prompt_logprobs is not None:
             prompt_slice = _prompt_logprobs_slice(state, start, end, offset)
             if prompt_slice is not None:
@@ -147,6 +159,8 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
     build = backend.build_metadata if backend is not None else AttentionMetadata.build
     meta = build(query_lens, seq_lens, [t[0] for t in block_tables], block_size, device)
     meta.prompt_runs = tuple(prompt_runs)
+    if trees:   # host positions for the attention kernel (rows whose own key sits elsewhere)
+        meta.query_positions = torch.tensor(positions, dtype=torch.int64)
     if kv_layout is not None and len(kv_layout.groups) > 1:
         group_metas = [meta] + [meta.with_tables([t[g] for t in block_tables])
                                 for g in range(1, len(kv_layout.groups))]
@@ -158,7 +172,8 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
         attn_meta=meta, req_ids=req_ids, sample_req_ids=sample_req_ids,
         logits_indices=logits_t,
         prompt_logprobs=prompt_slices, pooling=pooling,
-        num_draft_tokens=num_draft_tokens if any(num_draft_tokens) else [])
+        num_draft_tokens=num_draft_tokens if any(num_draft_tokens) else [],
+        draft_depths=draft_depths if any(num_draft_tokens) else [])
 
 
 def _prompt_logprobs_slice(state: RunnerRequestState, start: int, end: int,

@@ -73,3 +73,22 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
                 for _ in range(num_layers)]
     return [(cache_zeros(shape, dtype, device), cache_zeros(shape, dtype, device))
             for _ in range(num_layers)]
+
+
+def move_kv_positions(kv_caches: list, layout, block_size: int, moves: list) -> None:
+    """Copy K/V between positions of requests in every layer: ``moves`` holds
+    (block_tables per KV group, from position, to position). A kept draft-tree alternative was
+    written at its node's slot; its position's slot is where later steps read it."""
+    for g, group in enumerate(layout.groups):
+        src = torch.tensor([_slot(t[g], a, block_size) for t, a, _ in moves], dtype=torch.int64)
+        dst = torch.tensor([_slot(t[g], b, block_size) for t, _, b in moves], dtype=torch.int64)
+        for layer in group.layers:
+            for cache in kv_caches[layer]:
+                for rows in ((cache.values.view(torch.int8), cache.scale)
+                             if isinstance(cache, QuantizedKV) else (cache,)):
+                    flat = rows.flatten(0, 1)
+                    flat.index_copy_(0, dst.to(flat.device), flat.index_select(0, src.to(flat.device)))
+
+
+def _slot(table: list, position: int, block_size: int) -> int:
+    return table[position // block_size] * block_size + position % block_size

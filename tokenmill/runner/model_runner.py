@@ -16,7 +16,7 @@ from tokenmill.outputs import Logprob, ModelRunnerOutput
 from tokenmill.runner.faults import FaultInjector
 from tokenmill.runner.input_builder import ModelInput, RunnerRequestState, build_model_input
 from tokenmill.kv.layout import KVLayout
-from tokenmill.runner.kv_tensors import allocate_kv_caches
+from tokenmill.runner.kv_tensors import allocate_kv_caches, move_kv_positions
 from tokenmill.runner.pooler import pool_rows
 from tokenmill.sample.grammar_mask import bitmask_rows
 from tokenmill.sample.metadata import (RowSamplingState, build_sampling_metadata, make_request_generator,
@@ -122,6 +122,7 @@ class ModelRunner:
             state.forget_passed_blocks(self.kv_layout, self.block_size)
         for req_id, drafts in so.scheduled_spec_token_ids.items():
             self.states[req_id].spec_token_ids = drafts
+            self.states[req_id].spec_parents = so.scheduled_spec_parents.get(req_id)
         self.noise_budget.recount(self.states.values())
 
     # -- one step ---------------------------------------------------------------------------
@@ -143,22 +144,24 @@ class ModelRunner:
         pool_rows(hidden, inp.pooling, self.states, out)
         last_rows = inp.logits_indices   # per sample request: hidden row of its newest token
         rejected: dict[str, int] = {}    # drafts rejected per verified request
+        tree_rows: dict[str, list] = {}  # per request that verified a tree: its kept rows
         if inp.sample_req_ids:
             logits = self.model.compute_logits(hidden[inp.logits_indices])
             if self.faults is not None:
                 self._inject_sampling_faults(logits, inp)
             if inp.num_draft_tokens:
-                rows, rejected = self._verify(logits, inp, out, so.grammar_bitmask)
+                rows, rejected, tree_rows = self._verify(logits, inp, out, so.grammar_bitmask)
                 last_rows = inp.logits_indices[rows]
             else:
                 self._sample(logits, inp, out, so.grammar_bitmask)
         _flag_nonfinite(bad_hidden_rows, inp, out)
-        features = None if aux is None else self._step_features(inp, out, aux.concat(), rejected)
+        features = None if aux is None else self._step_features(inp, out, aux.concat(), rejected,
+                                                                 tree_rows)
         for req_id, n in so.num_scheduled_tokens.items():
             self.states[req_id].num_computed_tokens += n
         if self.spec is not None:
-            out.draft_token_ids = self.spec.after_step(self, so, inp, hidden[last_rows], out, t_start,
-                                                       features)
+            out.draft_token_ids, out.draft_parents = self.spec.after_step(
+                self, so, inp, hidden[last_rows], out, t_start, features)
         return out
 
     def _aux_capture(self) -> Optional[AuxCapture]:
@@ -167,9 +170,10 @@ class ModelRunner:
         return AuxCapture(layers) if layers else None
 
     def _step_features(self, inp: ModelInput, out: ModelRunnerOutput, aux_rows: torch.Tensor,
-                       rejected: dict) -> StepFeatures:
+                       rejected: dict, tree_rows: dict) -> StepFeatures:
         """The rows of ``aux_rows`` [T, ...] whose tokens this step verified, per request
-        (called before num_computed_tokens advances, after rejected drafts rolled it back)."""
+        (called before num_computed_tokens advances, after rejected drafts rolled it back);
+        ``tree_rows``: a tree's kept rows, counted from its root's."""
         keep, starts, counts, token_ids, block_ids, req_ids = [], [], [], [], [], []
         flat = 0
         for req_id, n in zip(inp.req_ids, inp.attn_meta.query_lens):
@@ -182,7 +186,12 @@ class ModelRunner:
                 counts.append(verified)
                 token_ids.append(state.tokens(start, start + verified))
                 block_ids.append(state.block_ids)
-                keep.extend(range(flat, flat + verified))
+                kept = tree_rows.get(req_id)
+                if kept is None:
+                    keep.extend(range(flat, flat + verified))
+                else:   # the rows before the root, then the kept path's
+                    lead = verified - len(kept)
+                    keep.extend([*range(flat, flat + lead), *(flat + lead + r for r in kept)])
             flat += n
         rows = aux_rows[torch.tensor(keep, dtype=torch.int64, device=aux_rows.device)]
         return StepFeatures(req_ids, starts, counts, token_ids, block_ids, rows)
@@ -243,49 +252,60 @@ class ModelRunner:
                 out.logprobs[req_id] = [_position_logprobs(lp, row, state.params.logprobs)]
 
     def _verify(self, logits: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput,
-                grammar_bitmask) -> tuple[list[int], dict]:
+                grammar_bitmask) -> tuple[list[int], dict, dict]:
         """logits [sum(k + 1), V]: each sample request's newest token and its k drafts. Row j
         is shaped as if the drafts before it were output already, and seeded rows draw at
-        output position n0 + j, like plain sampling. Returns the logits row of each request's
-        last emitted token (the drafter continues from its hidden state) and the number of
-        drafts each request had rejected."""
-        rows, drafts, row_req_ids = [], [], []
+        output position n0 + j, like plain sampling (a tree's node: after its ancestors, at
+        n0 + its depth; spec/draft_tree.py). Returns the logits row of each request's last
+        emitted token (the drafter continues from its hidden state), the number of drafts each
+        request had rejected and, for trees, the kept rows from the root's."""
+        rows, drafts, parents, row_req_ids = [], [], [], []
         for req_id in inp.sample_req_ids:
             state = self.states[req_id]
             drafts.append(state.spec_token_ids)
+            parents.append(state.spec_parents)
             row_req_ids += [req_id] * (len(state.spec_token_ids) + 1)
             n0 = len(state.output_token_ids)
-            for j in range(len(state.spec_token_ids) + 1):
+            for depth, history in _row_histories(state.spec_token_ids, state.spec_parents):
                 generator = None if state.seed is None else make_request_generator(
-                    step_seed(state.seed, n0 + j), self.device)
+                    step_seed(state.seed, n0 + depth), self.device)
                 rows.append(RowSamplingState(state.params, state.prompt_token_ids,
-                                             state.output_token_ids + state.spec_token_ids[:j],
-                                             generator, state.drawn_noise.get(n0 + j)))
+                                             state.output_token_ids + history,
+                                             generator, state.drawn_noise.get(n0 + depth)))
         logits, bad_rows = _zero_nonfinite_rows(logits)
         meta = build_sampling_metadata(rows, self.vocab_size, self.device, self.shared_generator,
                                        bitmask_rows(grammar_bitmask, row_req_ids, self.device))
-        res = self.rejection_sampler(logits, meta, drafts)
+        res = self.rejection_sampler(logits, meta, drafts, draft_parents=parents)
         bad_rows = _flags_list(bad_rows)
         lp = res.logprobs.tolists() if res.logprobs is not None else None
         index = {req_id: i for i, req_id in enumerate(inp.req_ids)}
-        last_rows, rejected = [], {}
+        last_rows, rejected, tree_rows, moves = [], {}, {}, []
         for b, req_id in enumerate(inp.sample_req_ids):
             state, start, tokens = self.states[req_id], res.row_starts[b], res.token_ids[b]
-            last_rows.append(start + len(tokens) - 1)
+            emitted = res.emitted_rows[b]
+            last_rows.append(emitted[-1])
+            if state.spec_parents is not None:
+                tree_rows[req_id] = [row - start for row in emitted]
             num_rejected = len(state.spec_token_ids) - res.num_accepted[b]
             rejected[req_id] = num_rejected
-            state.spec_token_ids = []
+            state.spec_token_ids, state.spec_parents = [], None
             if bad_rows is not None and any(bad_rows[start:start + num_rejected + len(tokens)]):
                 out.errors[req_id] = "the model produced non-finite logits (NaN or inf)"
                 continue
+            # a kept alternative's K/V goes to its position's slot (the chain's node had it)
+            root = state.num_tokens - 1
+            moves += [(state.block_tables, root + row - start, root + depth)
+                      for depth, row in enumerate(emitted[1:], 1) if row - start != depth]
             state.num_computed_tokens -= num_rejected   # their KV slots are overwritten later
             state.output_token_ids.extend(tokens)
             state.forget_used_noise()
             out.sampled_token_ids[index[req_id]] = tokens
             if state.params.logprobs is not None and lp is not None:
-                out.logprobs[req_id] = [_position_logprobs(lp, start + j, state.params.logprobs)
-                                        for j in range(len(tokens))]
-        return last_rows, rejected
+                out.logprobs[req_id] = [_position_logprobs(lp, row, state.params.logprobs)
+                                        for row in emitted]
+        if moves:
+            move_kv_positions(self.kv_caches, self.kv_layout, self.block_size, moves)
+        return last_rows, rejected, tree_rows
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inp: ModelInput, out: ModelRunnerOutput) -> None:
         for sl in inp.prompt_logprobs:
@@ -333,6 +353,20 @@ def _flags_list(bad) -> Optional[list[bool]]:
         return bad
     flags = bad.tolist()
     return flags if any(flags) else None
+
+
+def _row_histories(drafts: list[int], parents: Optional[list[int]]):
+    """(depth, drafts before the row) of each verification row: the root's, then each
+    draft's (a chain's draft j: drafts[:j + 1]; a tree node: its ancestors and itself)."""
+    yield 0, []
+    if parents is None:
+        for j in range(len(drafts)):
+            yield j + 1, drafts[:j + 1]
+        return
+    paths: list[list[int]] = []
+    for token, parent in zip(drafts, parents):
+        paths.append((paths[parent] if parent >= 0 else []) + [token])
+        yield len(paths[-1]), paths[-1]
 
 
 def _zero_nonfinite_rows(logits: torch.Tensor):

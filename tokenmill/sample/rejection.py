@@ -25,6 +25,13 @@ Two kinds of drafts:
   without speculation, whatever k is. Greedy rows take the argmax: accept while it matches.
 - *probability drafts* (``draft_probs`` [num_drafts, V]): x_j ~ q_j; accept when
   u_j * q_j(x_j) <= p_j(x_j) with u_j ~ U(0, 1); recovered tokens race on max(0, p_j - q_j).
+
+*Draft trees* (tokenmill.spec.draft_tree: a chain plus leaf alternatives; point drafts only):
+row 0 is the root, row i + 1 node i, each shaped as if its ancestors were output already and
+drawing at output position n0 + its depth. t is drawn at every row as above; from the root,
+while t at the current row equals one of the node's children, that child is kept. Every
+emitted token is the target's own draw at its position, as with a chain, so the law (and a
+seeded request's tokens) are those of plain decoding.
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ from tokenmill.sample.logprobs import LogprobsTensors, compute_logprobs
 from tokenmill.sample.metadata import SamplingMetadata
 from tokenmill.sample.penalties import apply_logits_processors
 from tokenmill.sample.sampler import Argmax, Sampler, filtered_probs, sample_from_probs, torch_argmax
+from tokenmill.spec import draft_tree
 
 __all__ = ["RejectionOutput", "RejectionSampler", "accepted_prefix_lengths", "emitted_tokens"]
 
@@ -47,6 +55,9 @@ class RejectionOutput:
     num_accepted: list[int]         # per request: a, in [0, k]
     row_starts: list[int]           # first of the request's k + 1 rows
     logprobs: Optional[LogprobsTensors]   # per row, of the token emitted at that row
+    # per request: the rows whose draws it emitted, in order (a chain: its first a + 1 rows;
+    # a tree: the root's and the kept nodes')
+    emitted_rows: list[list[int]]
 
 
 class _Verdict(NamedTuple):
@@ -91,12 +102,19 @@ class RejectionSampler:
         self.sampler = Sampler(argmax)
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, draft_token_ids: list[list[int]],
-                 draft_probs: Optional[torch.Tensor] = None) -> RejectionOutput:
+                 draft_probs: Optional[torch.Tensor] = None,
+                 draft_parents: Optional[list[Optional[list[int]]]] = None) -> RejectionOutput:
         """logits [N, V] raw target logits, N = sum(k_b + 1); meta describes the N rows (row j's
         output history includes the request's drafts before it, its noise is drawn for output
-        position n0 + j); draft_token_ids per request; draft_probs [sum k_b, V] or None."""
+        position n0 + j; for a tree, node j's ancestors and n0 + its depth); draft_token_ids per
+        request; draft_probs [sum k_b, V] or None; draft_parents: per request, its drafts'
+        parents when they form a tree, else None."""
         num_drafts = [len(d) for d in draft_token_ids]
         starts = row_starts(num_drafts)
+        if draft_parents is not None and any(p is not None for p in draft_parents):
+            if draft_probs is not None:
+                raise ValueError("draft trees are verified as point drafts (no draft_probs)")
+            return self._tree(logits, meta, draft_token_ids, draft_parents, starts)
         if draft_probs is None:
             final, v = self._point(logits, meta, draft_token_ids, num_drafts)
         else:
@@ -111,7 +129,25 @@ class RejectionSampler:
             kept = v.mask & (position < num_accepted_t[:, None])
             chosen[v.rows[kept]] = v.drafts[kept]
             logprobs = compute_logprobs(logits, chosen, meta.max_num_logprobs)
-        return RejectionOutput(tokens, num_accepted, starts, logprobs)
+        emitted = [list(range(s, s + a + 1)) for s, a in zip(starts, num_accepted)]
+        return RejectionOutput(tokens, num_accepted, starts, logprobs, emitted)
+
+    def _tree(self, logits, meta, draft_token_ids, draft_parents, starts) -> RejectionOutput:
+        """Point verification of chains and trees alike: the kept path of each request."""
+        target = self.sampler(logits, _without_logprobs(meta)).sampled_token_ids   # [N]
+        drawn = target.tolist()
+        tokens, num_accepted, emitted = [], [], []
+        for drafts, parents, s in zip(draft_token_ids, draft_parents, starts):
+            parents = list(range(-1, len(drafts) - 1)) if parents is None else parents
+            path = draft_tree.accepted_path(parents, drafts, drawn[s:s + len(drafts) + 1])
+            rows = [s] + [s + 1 + i for i in path]
+            tokens.append([drawn[r] for r in rows])
+            num_accepted.append(len(path))
+            emitted.append(rows)
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            logprobs = compute_logprobs(logits, target, meta.max_num_logprobs)
+        return RejectionOutput(tokens, num_accepted, starts, logprobs, emitted)
 
     def _point(self, logits, meta, draft_token_ids, num_drafts):
         # t_j ~ p_j at every row (plain sampler); accept x_j iff t_j == x_j.

@@ -55,6 +55,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)
     # req_id -> draft tokens scheduled after its newest token (counted in num_scheduled_tokens)
     scheduled_spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> the parent of each scheduled draft when they form a tree (spec/draft_tree.py);
+    # absent: a chain
+    scheduled_spec_parents: dict[str, list[int]] = field(default_factory=dict)
     grammar_bitmask: GrammarBitmask | None = None
 
     @property

@@ -23,6 +23,7 @@ from tokenmill.sched.grammar_steps import advance_grammar, grammar_bitmask, gram
 from tokenmill.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.structured.stats import GrammarStats
 from tokenmill.sched.policy import RequestQueue, pick_victim
+from tokenmill.spec import draft_tree
 
 
 class Scheduler:
@@ -103,6 +104,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         preempted: set[str] = set()
         spec: dict[str, list[int]] = {}
+        trees: dict[str, list[int]] = {}
 
         self.running.sort(key=self.waiting.sort_key)
         i = 0
@@ -123,24 +125,27 @@ class Scheduler:
             num_drafts = num_new - (req.num_tokens - req.num_computed_tokens)
             if num_drafts > 0:   # drafts past the budget are simply not verified this step
                 spec[req.request_id] = req.spec_token_ids[:num_drafts]
+                parents = (req.spec_parents or [])[:num_drafts]
+                if not draft_tree.is_chain(parents or None):   # a prefix is a tree too
+                    trees[req.request_id] = parents
             cached_reqs.append(self._request_data(req, new_block_ids, new_reqs))
             i += 1
         cached_reqs = [c for c in cached_reqs if c is not None]
 
         if not preempted:
             budget = self._admit_waiting(budget, num_scheduled, new_reqs)
-        return self._output(new_reqs, cached_reqs, num_scheduled, preempted, spec)
+        return self._output(new_reqs, cached_reqs, num_scheduled, preempted, spec, trees)
 
     def _output(self, new_reqs: list[NewRequestData], cached_reqs: list[CachedRequestData],
                 num_scheduled: dict[str, int], preempted: set[str],
-                spec: dict[str, list[int]]) -> SchedulerOutput:
+                spec: dict[str, list[int]], trees: Optional[dict] = None) -> SchedulerOutput:
         out = SchedulerOutput(
             scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self._finished_ids,
             preempted_req_ids=preempted | self._unsent_preempted,
-            scheduled_spec_token_ids=spec,
+            scheduled_spec_token_ids=spec, scheduled_spec_parents=trees or {},
             grammar_bitmask=grammar_bitmask(self.requests, num_scheduled, spec))
         self._finished_ids, self._unsent_preempted = set(), set()
         return out
@@ -299,8 +304,9 @@ class Scheduler:
                 self._append_tokens(req, token_ids, out, runner_out.logprobs.get(req_id, []))
                 out.error = req.error
                 if not req.is_finished and token_ids:   # drafts follow a sampled token
-                    req.spec_token_ids = self._usable_drafts(
-                        req, runner_out.draft_token_ids.get(req_id))
+                    req.spec_token_ids, req.spec_parents = self._usable_drafts(
+                        req, runner_out.draft_token_ids.get(req_id),
+                        runner_out.draft_parents.get(req_id))
             reached = self.suspects.get(req_id)   # (a finished suspect is gone already)
             if reached is not None and req.num_computed_tokens >= reached:
                 del self.suspects[req_id]   # it got past the failed step alone
@@ -320,15 +326,27 @@ class Scheduler:
             return 0
         return len(drafts) + 1 - len(token_ids) if token_ids else len(drafts)
 
-    def _usable_drafts(self, req: Request, drafts: Optional[list[int]]) -> list[int]:
-        """Drop drafts that could only produce tokens past max_tokens or max_model_len (k drafts
-        make up to k + 1 tokens), and those the request's grammar refuses (they would be
-        rejected anyway, and the grammar cannot step through them to mask what follows)."""
-        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+    def _usable_drafts(self, req: Request, drafts: Optional[list[int]],
+                       parents: Optional[list[int]] = None) -> tuple[list[int], Optional[list[int]]]:
+        """Drop drafts that could only produce tokens past max_tokens or max_model_len (drafts
+        of depth d make up to d + 1 tokens), and those the request's grammar refuses (they
+        would be rejected anyway, and the grammar cannot step through them to mask what
+        follows; a grammar takes a tree's chain alone). Returns (drafts, their parents: None
+        for a chain)."""
+        room = max(min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1, 0)
         req.drafts_are_forced = False
+        if not drafts:
+            return [], None
+        if parents is not None and (req.grammar is not None or draft_tree.is_chain(parents)):
+            drafts, parents = drafts[:draft_tree.chain_length(parents)], None
         if req.grammar is not None:
-            drafts = grammar_drafts(req, drafts or [], self.config.max_forced_drafts)
-        return list(drafts[:max(room, 0)]) if drafts else []
+            drafts = grammar_drafts(req, drafts, self.config.max_forced_drafts)
+        if parents is None:
+            return list(drafts[:room]), None
+        # every node takes a slot (up to max_model_len), the tree's depth bounds its tokens
+        nodes = max(self.max_model_len - req.num_tokens - 1, 0)
+        keep = [i for i, d in enumerate(draft_tree.depths(parents[:nodes])) if d <= room]
+        return [drafts[i] for i in keep], [parents[i] for i in keep]
 
     def _append_tokens(self, req: Request, token_ids: list[int], out: EngineCoreOutput,
                        logprobs: list) -> None:

@@ -80,7 +80,11 @@ def add_parser(sub) -> None:
                    default="ngram,adaptive_ngram,layer_skip,adaptive_layer_skip",
                    help=f"comma list of {', '.join(METHODS)}, each optionally adaptive_<method>; "
                         "eagle3_int8 / dflash_int8: the drafter served in int8; ngram_<method>: "
-                        "prompt lookup where it finds a match, the method's drafter elsewhere")
+                        "prompt lookup where it finds a match, the method's drafter elsewhere; "
+                        "<eagle3 method>_tree: draft trees (--token-tree)")
+    p.add_argument("--token-tree", default="[(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 0, 0)]",
+                   help="speculative_token_tree of the _tree methods (vLLM's spelling: paths of "
+                        "child ranks; alternatives are leaves)")
     p.add_argument("--layer-skip-layers", type=int, default=8)
     p.add_argument("--draft-model", default=None, help="checkpoint for draft_model")
     p.add_argument("--drafter", action="append", default=[], metavar="METHOD=DIR",
@@ -131,6 +135,8 @@ def _configs(names: list[str], args) -> dict:
     out = {}
     for name in names:
         method = name.removeprefix("adaptive_")
+        tree = method.endswith("_tree")
+        method = method.removesuffix("_tree")
         ngram_first = method.startswith("ngram_")
         method = method.removeprefix("ngram_")
         quantization = None
@@ -138,7 +144,7 @@ def _configs(names: list[str], args) -> dict:
             method, quantization = method.removesuffix("_int8"), "int8"
         if method not in METHODS or (ngram_first and method == "ngram"):
             raise ValueError(f"unknown method {name!r}; choose from {METHODS} (or adaptive_<method>, "
-                             "ngram_<method>, eagle3_int8, dflash_int8)")
+                             "ngram_<method>, eagle3_int8, dflash_int8, <eagle3 method>_tree)")
         lookup = dict(prompt_lookup_min=2, prompt_lookup_max=4)
         extra = {"ngram": lookup, "layer_skip": dict(num_layers=args.layer_skip_layers)}.get(method, {})
         if method in TRAINED:
@@ -148,6 +154,8 @@ def _configs(names: list[str], args) -> dict:
             extra = dict(model=path, quantization=quantization)
         if ngram_first:
             extra = dict(extra, ngram_first=True, **lookup)
+        if tree:
+            extra = dict(extra, speculative_token_tree=args.token_tree)
         out[name] = SpeculativeConfig(method=method, num_speculative_tokens=args.k,
                                       adaptive=name.startswith("adaptive_"), **extra)
     return out

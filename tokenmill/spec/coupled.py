@@ -42,15 +42,36 @@ def noise_row(state, position: int, vocab: int, device) -> torch.Tensor:
 
 
 def draft_tokens(logits: torch.Tensor, states: list, positions: list[int], vocab: int,
-                 to_target: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+                 to_target: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                 width: int = 1):
     """One draft per row of ``logits`` [R, Vd] (float; a draft vocabulary mapped to target ids
     by ``to_target``, or None: the target's own ids): the argmax for greedy rows, else the race
     of q = softmax(logits / T) (with the request's top-k / top-p) against the target's noise
     of ``states[r]`` at output position ``positions[r]`` (``vocab``: the target's logits
-    width). Returns target ids [R]."""
-    tokens = logits.argmax(-1)
+    width). Returns target ids [R]; with ``width`` > 1 also the runners-up of each row's
+    race, [R, width - 1] target ids (draft-tree alternatives, best first)."""
+    scores = _race_scores(logits, states, positions, vocab, to_target)
+    tokens = scores.argmax(-1)
+    if width == 1:
+        return tokens if to_target is None else to_target(tokens)
+    # the runners-up: the best width - 1 others (topk may order ties unlike argmax)
+    top = scores.topk(min(width, scores.shape[-1]), dim=-1).indices
+    others = torch.stack([row[row != t][:width - 1] for row, t in zip(top, tokens)]) \
+        if top.shape[0] else top[:, 1:]
+    if to_target is not None:
+        tokens, others = to_target(tokens), to_target(others)
+    return tokens, others
+
+
+def _race_scores(logits: torch.Tensor, states: list, positions: list[int], vocab: int,
+                 to_target) -> torch.Tensor:
+    """[R, Vd]: each row's draft is its argmax (greedy rows: the logits; coupled rows:
+    q / E, the race against the target's noise)."""
     rows = [r for r, s in enumerate(states) if coupled(s)]
-    target_ids = None if to_target is None or not rows else \
+    if not rows:
+        return logits
+    scores = logits.float().clone()
+    target_ids = None if to_target is None else \
         to_target(torch.arange(logits.shape[-1], device=logits.device))
     for r in rows:
         params = states[r].params
@@ -64,5 +85,5 @@ def draft_tokens(logits: torch.Tensor, states: list, positions: list[int], vocab
             noise = noise[target_ids]
         # out of place: the row stays in the request state for the sampler, unchanged
         q = scaled.softmax(-1)[0]
-        tokens[r] = (q / noise.clamp_min(torch.finfo(torch.float32).tiny)).argmax()
-    return tokens if to_target is None else to_target(tokens)
+        scores[r] = q / noise.clamp_min(torch.finfo(torch.float32).tiny)
+    return scores

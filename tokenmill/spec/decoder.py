@@ -25,6 +25,7 @@ import torch
 from tokenmill.config import SpeculativeConfig
 from tokenmill.spec.adaptive import AdaptiveK, FixedK
 from tokenmill.spec.draft_input import DraftInput, StepFeatures
+from tokenmill.spec.draft_tree import DraftTree
 from tokenmill.spec.metrics import PlainStepCost, SpecDecodingStats
 
 
@@ -38,6 +39,8 @@ class SpecDecoder:
         self.block_size = block_size
         modes = len(getattr(proposer, "modes", ("as built",)))
         self.controller = AdaptiveK(self.k_max, modes) if config.adaptive else FixedK(self.k_max)
+        # candidates per depth when the drafter branches (spec/draft_tree.py), else ()
+        self.widths = config.tree_widths if config.speculative_token_tree is not None else ()
         self.stats = SpecDecodingStats(self.k_max)
         self.plain_cost = PlainStepCost()
         # (batch size, k, proposer mode, draft seconds, ids of the requests drafted for)
@@ -59,11 +62,11 @@ class SpecDecoder:
         return self.k_max if self.proposer.needs_lookahead else 0
 
     def after_step(self, runner, so, inp, hidden: torch.Tensor, out, t_start: float,
-                   features: Optional[StepFeatures] = None) -> dict:
+                   features: Optional[StepFeatures] = None) -> tuple[dict, dict]:
         """hidden [num_sample, hidden]: the target's hidden state that produced each sample
         request's newest token; ``features``: the layer outputs the proposer asked for
         (``aux_layers``), for every request the step ran. Returns req_id -> drafts for the
-        next step."""
+        next step, and req_id -> their parents for the requests whose drafts branch."""
         # Forget requests that left the runner (finished, preempted, or dropped while idle)
         # and requests sent anew (their blocks changed).
         gone = {r for r in self._drafted if r not in runner.states}
@@ -73,9 +76,13 @@ class SpecDecoder:
         self._record_timing(t_start, inp.req_ids)
         self._measure(so, inp, out, time.perf_counter() - t_start)
         try:
-            return self._draft_next(runner, inp, hidden, out, features)
+            drafts = self._draft_next(runner, inp, hidden, out, features)
         finally:
             self._step_end = time.perf_counter()
+        trees = {r: d for r, d in drafts.items() if isinstance(d, DraftTree)}
+        for req_id, tree in trees.items():
+            drafts[req_id] = tree.tokens
+        return drafts, {r: tree.parents for r, tree in trees.items()}
 
     def _draft_next(self, runner, inp, hidden: torch.Tensor, out,
                     features: Optional[StepFeatures]) -> dict:
@@ -99,7 +106,8 @@ class SpecDecoder:
             return {}
         states = [runner.states[inp.sample_req_ids[b]] for b in rows]
         caps = [self._cap(s, k) for s in states]
-        drafts, seconds = self._timed_propose(DraftInput(states, caps, hidden[rows], features, mode=mode))
+        drafts, seconds = self._timed_propose(DraftInput(states, caps, hidden[rows], features, mode=mode,
+                                                         widths=self.widths))
         ids = frozenset(s.req_id for s in states)
         self._drafted |= ids
         for req_id in ids:
@@ -135,7 +143,9 @@ class SpecDecoder:
 
     def _measure(self, so, inp, out, seconds: float) -> None:
         pending, self._pending = self._pending, None
-        num_drafts = dict(zip(inp.sample_req_ids, inp.num_draft_tokens)) if inp.num_draft_tokens else {}
+        # a tree counts as its chain: the controller's per-position model, and tau, read
+        # how deep a step's drafts went (alternatives raise a position's acceptance)
+        num_drafts = dict(zip(inp.sample_req_ids, inp.draft_depths)) if inp.num_draft_tokens else {}
         emitted = 0
         for req_id, tokens in zip(out.req_ids, out.sampled_token_ids):
             emitted += len(tokens)
@@ -277,6 +287,9 @@ def build_spec_decoder(config: SpeculativeConfig, runner, max_model_len: int, nu
         from tokenmill.spec.lookup_first import LookupFirstProposer
         proposer = LookupFirstProposer(NgramProposer(config.prompt_lookup_min,
                                                      config.prompt_lookup_max), proposer)
+    if config.speculative_token_tree is not None and not getattr(runner.backend, "supports_draft_trees", False):
+        raise ValueError(f"speculative_token_tree: the {runner.backend.name!r} attention backend "
+                         "verifies chains only (draft trees need the CPU attention kernels)")
     # a drafter may draft fewer per step than asked (DFlash: block size - 1)
     k = min(k, getattr(proposer, "max_drafts", k))
     return SpecDecoder(config, proposer, max_model_len, runner.block_size, k_max=k)

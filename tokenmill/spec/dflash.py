@@ -68,8 +68,9 @@ class DFlashProposer:
     def propose(self, inp: DraftInput) -> list[list[int]]:
         return record_then_draft(self, inp)
 
-    def draft(self, states: list, counts: list[int]) -> list[list[int]]:
-        """One block forward per state; at most counts[i] (and block_size - 1) drafts each."""
+    def draft(self, states: list, counts: list[int], widths: tuple = ()) -> list[list[int]]:
+        """One block forward per state; at most counts[i] (and block_size - 1) drafts each
+        (chains: ``widths`` is not used)."""
         want = [min(n, self.max_drafts) for n in counts]
         return [g[:n] for g, n in zip(self._draft(states, max(want)), want)]
 

@@ -51,6 +51,9 @@ class DraftInput:
     features: Optional[StepFeatures] = None
     extra: dict = field(default_factory=dict)        # reserved for proposer-specific inputs
     mode: int = 0      # index into the proposer's ``modes`` (0: as built), chosen by AdaptiveK
+    # candidates per depth for a proposer that drafts trees (``tree_widths``; () or 1s: chains).
+    # Such a proposer returns a spec.draft_tree.DraftTree for a request it branches for
+    widths: tuple = ()
 
 
 class AuxCapture:
@@ -124,7 +127,8 @@ def record_then_draft(proposer, inp: DraftInput) -> list[list[int]]:
     """``propose`` of a drafter that keeps its own context cache (EAGLE-3, DFlash): queue the
     step's features (``proposer.pending``), write the queue (``proposer.record``) when drafts
     are wanted or it is full, then draft for the requests that want drafts
-    (``proposer.draft(states, counts)``: one list of at most counts[i] tokens per state)."""
+    (``proposer.draft(states, counts, widths)``: per state a list of at most counts[i]
+    tokens, or a DraftTree with a chain that long)."""
     if inp.features is not None and inp.features.req_ids:
         proposer.pending.add(inp.features)
     rows = [i for i, n in enumerate(inp.num_drafts) if n > 0]
@@ -134,7 +138,8 @@ def record_then_draft(proposer, inp: DraftInput) -> list[list[int]]:
             proposer.record(queued)
     drafts: list[list[int]] = [[] for _ in inp.states]
     if rows:
-        got = proposer.draft([inp.states[i] for i in rows], [inp.num_drafts[i] for i in rows])
+        got = proposer.draft([inp.states[i] for i in rows], [inp.num_drafts[i] for i in rows],
+                             inp.widths)
         for i, d in zip(rows, got):
             drafts[i] = d
     return drafts

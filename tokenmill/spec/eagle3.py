@@ -23,7 +23,9 @@ from typing import Optional
 import torch
 
 from tokenmill.layers.attention.base import write_kv
+from tokenmill.spec import draft_tree
 from tokenmill.spec.coupled import draft_tokens
+from tokenmill.spec.draft_tree import DraftTree
 from tokenmill.spec.trainable import init_weights, quantize_linears
 from tokenmill.spec.drafter_files import load_checked_state, read_drafter_dir
 from tokenmill.spec.draft_input import (DraftInput, PendingFeatures, StepFeatures, last_writes,
@@ -92,9 +94,11 @@ class Eagle3Proposer:
         k, v = head.layer.kv(x, cos, sin)
         write_kv(k[keep], v[keep], self.kv_cache[0], self.kv_cache[1], slots[keep])
 
-    def draft(self, states: list, counts: list[int]) -> list[list[int]]:
+    def draft(self, states: list, counts: list[int], widths: tuple = ()) -> list:
         """Chains from each state's newest token, ``counts[i]`` drafts each (never past
-        the slots of its block table)."""
+        the slots of its block table). ``widths[d]`` > 1: the chain's runners-up at depth
+        d + 1 join as leaf alternatives (a DraftTree; spec/draft_tree.py): no extra forward,
+        they come from the same logits."""
         bs, dev, head = self.block_size, self.device, self.head
         newest = [s.num_tokens - 1 for s in states]
         counts = [min(c, len(s.block_ids) * bs - b) for s, c, b in zip(states, counts, newest)]
@@ -103,6 +107,7 @@ class Eagle3Proposer:
                                      for s, b in zip(states, newest)]).to(dev)]
         live = list(range(len(states)))
         drafts: list[list[int]] = [[] for _ in states]
+        alternatives: list[list[list[int]]] = [[] for _ in states]
         for step in range(max(counts, default=0)):
             keep = [j for j, i in enumerate(live) if counts[i] > step]
             if len(keep) < len(live):
@@ -110,12 +115,18 @@ class Eagle3Proposer:
                 live, tokens, g = [live[j] for j in keep], tokens[index], g[index]
             positions = [newest[i] + step for i in live]
             g = self._forward([states[i] for i in live], positions, tokens, g)
+            width = widths[step] if step < len(widths) else 1
             tokens = draft_tokens(head.logits(g), [states[i] for i in live],
                                   [len(states[i].output_token_ids) + step for i in live],
-                                  self.vocab, head.to_target)
-            for i, t in zip(live, tokens.tolist()):
+                                  self.vocab, head.to_target, width)
+            others = [[]] * len(live)
+            if width > 1:
+                tokens, others = tokens[0], tokens[1].tolist()
+            for i, t, alts in zip(live, tokens.tolist(), others):
                 drafts[i].append(t)
-        return drafts
+                alternatives[i].append(alts)
+        return [DraftTree(*draft_tree.build(d, a)) if any(a) else d
+                for d, a in zip(drafts, alternatives)]
 
     def _forward(self, states: list, positions: list[int], tokens: torch.Tensor,
                  g: torch.Tensor) -> torch.Tensor:

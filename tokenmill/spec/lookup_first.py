@@ -37,7 +37,7 @@ class LookupFirstProposer:
         hidden = None if inp.hidden is None else inp.hidden[rest]
         got = self.drafter.propose(DraftInput([inp.states[i] for i in rest],
                                               [inp.num_drafts[i] for i in rest], hidden,
-                                              inp.features, inp.extra))
+                                              inp.features, inp.extra, widths=inp.widths))
         for i, d in zip(rest, got):
             found[i] = d
         return found

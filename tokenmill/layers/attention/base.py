@@ -17,11 +17,15 @@ class AttentionBackend(ABC):
     Query token i of a request with ``q_len`` query tokens and ``seq_len`` context sits at
     position ``seq_len - q_len + i`` and attends to cached keys at positions <= its own
     (and > position - sliding_window when a window is given). Query head h reads KV head
-    ``h // (num_heads // num_kv_heads)`` (GQA).
+    ``h // (num_heads // num_kv_heads)`` (GQA). Draft trees (``meta.query_positions``, only
+    where ``supports_draft_trees``) place some tokens lower: see metadata.py.
     """
 
     name: str
     cpu_kernels: bool = False   # uses the fused C kernels (the CPU backend, when asked to)
+    # attends draft trees (AttentionMetadata.query_positions); a backend that says no must
+    # not be given a step that verifies one
+    supports_draft_trees: bool = False
 
     def build_metadata(self, query_lens: list[int], seq_lens: list[int],
                        block_tables: list[list[int]], block_size: int,

@@ -11,6 +11,10 @@ Two paths, chosen per request from the Python query lengths:
 Where the C kernels run, both take them instead (cpu_ops.paged_attention for the short runs,
 cpu_ops.prefill_attention for the chunks: each row's bits fixed by the row alone, so a
 prompt prefilled after a prefix-cache hit equals the same prompt prefilled cold).
+A step that verifies draft trees (``meta.query_positions``) runs every request through
+cpu_ops.paged_attention, whatever its length: only that kernel reads a leaf alternative's
+own key from its written slot (neither PyTorch path does), and its rows have the bits of
+the same tokens decoded as a chain.
 Compute is fp32 (bf16 matmul on CPU is far slower); the output has the query's dtype.
 """
 
@@ -39,6 +43,11 @@ class CpuAttention(AttentionBackend):
     def __init__(self, cpu_kernels: bool = True) -> None:
         self.cpu_kernels = cpu_kernels
 
+    @property
+    def supports_draft_trees(self) -> bool:
+        """Draft trees take the C kernel (see the module docstring): it must be on and built."""
+        return self.cpu_kernels and cpu_ops.available()
+
     def forward(
         self,
         query: torch.Tensor,    # [T, num_heads, head_dim]
@@ -53,6 +62,9 @@ class CpuAttention(AttentionBackend):
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         check_gqa(query.shape[1], k_cache.shape[2])
         out = torch.empty_like(query)
+        if meta.query_positions is not None:
+            self._draft_trees(query, k_cache, v_cache, meta, scale, sliding_window, out)
+            return out
         short = [b for b, q in enumerate(meta.query_lens)
                  if q <= MAX_BATCHED_QUERY_LEN and not meta.is_prompt_run(b)]
         if short and not (self.cpu_kernels and _fused(cpu_ops.paged_attention, query, k_cache,
@@ -71,6 +83,21 @@ class CpuAttention(AttentionBackend):
                     meta.plan_cache,
                 ).to(out.dtype)
         return out
+
+
+    def _draft_trees(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                     sliding_window: Optional[int], out: torch.Tensor) -> None:
+        """Every request of a step that verifies draft trees through the C paged kernel (a
+        PyTorch fallback would attend the chain node's key in place of an alternative's own:
+        a wrong answer, so none is taken)."""
+        if not self.supports_draft_trees:
+            raise ValueError("draft trees need the C attention kernel (cpu_kernels on and the "
+                             "kernel library built)")
+        reqs = list(range(meta.num_reqs))
+        if not _fused(cpu_ops.paged_attention, query, k_cache, v_cache, meta, reqs, scale,
+                      sliding_window, out, meta.checked_query_positions()):
+            raise ValueError("draft trees need the C attention kernel, which does not take "
+                             f"these tensors (query {query.dtype}, cache {k_cache.dtype})")
 
 
 def _starts(query_lens: list[int]) -> list[int]:
@@ -115,10 +142,12 @@ def _batched_short(
 
 
 def _fused(kernel, query, k_cache, v_cache, meta: AttentionMetadata, reqs: list[int], scale: float,
-           sliding_window: Optional[int], out: torch.Tensor) -> bool:
+           sliding_window: Optional[int], out: torch.Tensor,
+           q_pos: Optional[torch.Tensor] = None) -> bool:
     """The requests ``reqs`` through one C kernel call (cpu_ops.paged_attention for short
     runs, cpu_ops.prefill_attention for prefill chunks): no gather, no padding, one call per
-    layer. False when it does not apply; the PyTorch path then runs."""
+    layer. False when it does not apply; the PyTorch path then runs. ``q_pos``: every query
+    row's position in a draft tree step (paged_attention only)."""
     if not cpu_ops.available():
         return False
     key = ("fused", kernel.__name__, tuple(reqs))
@@ -132,7 +161,9 @@ def _fused(kernel, query, k_cache, v_cache, meta: AttentionMetadata, reqs: list[
             torch.tensor([meta.query_lens[b] for b in reqs], dtype=torch.int64),
             torch.tensor([meta.seq_lens_list[b] for b in reqs], dtype=torch.int64))
     tables, q_start, q_len, seq_len = plan
-    return kernel(query, k_cache, v_cache, tables, q_start, q_len, seq_len, scale, sliding_window, out)
+    tree = {} if q_pos is None else {"q_pos": q_pos}
+    return kernel(query, k_cache, v_cache, tables, q_start, q_len, seq_len, scale, sliding_window,
+                  out, **tree)
 
 
 def _short_plan(meta: AttentionMetadata, reqs: list[int], sliding_window: Optional[int],

@@ -7,12 +7,19 @@ Terms:
   writes its own tokens, so the query tokens are the last ``query_len`` of ``seq_len``.
 - slot: ``block_id * block_size + offset``, the row of a cache viewed as
   ``[num_blocks * block_size, num_kv_heads, head_dim]``.
+- index position: ``seq_len - query_len + i`` for query token i of a request; its K/V are
+  written to the slot of that position (``slot_mapping``).
+- draft tree: a speculative run whose query tokens are the root, a chain of draft nodes and
+  leaf alternatives. A chain node sits at its index position; an alternative to the chain
+  node at depth d sits at position ``seq_len - query_len + d`` (``query_positions``), sees
+  the keys before it, and its own key at its index position's slot.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
@@ -42,6 +49,12 @@ class AttentionMetadata:
     # backend computes such rows as it computes a prefill, whatever the run's length, so a
     # prompt's bits do not depend on how much of it a prefix-cache hit covered
     prompt_runs: tuple = field(default=(), repr=False, compare=False)
+    # host [T] int64: each query token's position when the step verifies draft trees (a leaf
+    # alternative's position is below its index position; see the terms above); None: the
+    # query tokens of a request sit at consecutive positions, their index positions. Set by
+    # the runner after build; every KV group shares it (with_tables). Only backends whose
+    # supports_draft_trees is True read it
+    query_positions: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
     @property
     def num_reqs(self) -> int:
@@ -49,6 +62,26 @@ class AttentionMetadata:
 
     def is_prompt_run(self, b: int) -> bool:
         return bool(self.prompt_runs) and self.prompt_runs[b]
+
+    def checked_query_positions(self) -> Optional[torch.Tensor]:
+        """query_positions as the C kernels read them ([T] contiguous CPU int64), each checked
+        to lie in [0, its index position]: a kernel reads block-table entries at these
+        positions, and a larger one would also show the row keys after it. None without
+        draft trees. Checked once per step (plan_cache), not once per layer."""
+        if self.query_positions is None:
+            return None
+        key = ("checked_query_positions",)
+        if key not in self.plan_cache:
+            pos = self.query_positions.to(device="cpu", dtype=torch.int64).contiguous()
+            q_lens = torch.tensor(self.query_lens, dtype=torch.int64)
+            cu_q = torch.zeros(len(self.query_lens) + 1, dtype=torch.int64)
+            torch.cumsum(q_lens, 0, out=cu_q[1:])
+            _, index_pos = _token_positions(q_lens, torch.tensor(self.seq_lens_list), cu_q)
+            if pos.shape != index_pos.shape or bool((pos < 0).any() or (pos > index_pos).any()):
+                raise ValueError("query_positions must hold one position per query token, each "
+                                 "in [0, seq_len - query_len + i]")
+            self.plan_cache[key] = pos
+        return self.plan_cache[key]
 
     def for_window(self, window) -> "AttentionMetadata":
         """The metadata a layer attending with ``window`` (None: full) reads its cache through."""

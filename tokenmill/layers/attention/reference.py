@@ -12,7 +12,11 @@ from tokenmill.layers.attention.metadata import AttentionMetadata
 
 
 class ReferenceAttention(AttentionBackend):
-    """One request at a time: gather its K/V, explicit scores, mask, softmax, matmul (fp32)."""
+    """One request at a time: gather its K/V, explicit scores, mask, softmax, matmul (fp32).
+    Draft trees (``meta.query_positions``): one row at a time, over the keys before its
+    position read through the block table and its own K/V read from the slot it was written
+    to (metadata.py's terms). It computes them as the tests' oracle for the C kernel
+    (supports_draft_trees stays the base class's False)."""
 
     name = "reference"
 
@@ -33,9 +37,14 @@ class ReferenceAttention(AttentionBackend):
         start = 0
         for b, (q_len, seq_len) in enumerate(zip(meta.query_lens, meta.seq_lens_list)):
             k, v = gather_context(k_cache, v_cache, meta.block_tables[b], seq_len)
-            q = query[start:start + q_len]
-            out[start:start + q_len] = _attend_one(
-                q, k, v, group, scale, sliding_window).to(out.dtype)
+            if meta.query_positions is not None:
+                for row in range(start, start + q_len):
+                    out[row] = _attend_tree_row(query[row], k, v, k_cache, v_cache, meta, row,
+                                                group, scale, sliding_window).to(out.dtype)
+            else:
+                q = query[start:start + q_len]
+                out[start:start + q_len] = _attend_one(
+                    q, k, v, group, scale, sliding_window).to(out.dtype)
             start += q_len
         return out
 
@@ -50,9 +59,31 @@ def gather_context(
     block_size = k_cache.shape[1]
     positions = torch.arange(seq_len, device=block_table.device)
     slots = block_table[positions // block_size] * block_size + positions % block_size
-    if isinstance(k_cache, QuantizedKV):
-        return k_cache.read_slots(slots), v_cache.read_slots(slots)
-    return k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
+    return read_slots(k_cache, slots), read_slots(v_cache, slots)
+
+
+def read_slots(cache, slots: torch.Tensor) -> torch.Tensor:   # [n, num_kv_heads, head_dim]
+    """The K or V rows of flat slots ``slots`` (dequantized for a QuantizedKV)."""
+    if isinstance(cache, QuantizedKV):
+        return cache.read_slots(slots)
+    return cache.flatten(0, 1)[slots]
+
+
+def _attend_tree_row(
+    q: torch.Tensor,  # [num_heads, head_dim] query row ``row`` of the step
+    k: torch.Tensor,  # [seq_len, num_kv_heads, head_dim] its request's context, position order
+    v: torch.Tensor,
+    k_cache, v_cache, meta: AttentionMetadata, row: int, group: int, scale: float,
+    sliding_window: Optional[int],
+) -> torch.Tensor:    # [num_heads, head_dim] fp32
+    """A row at position p = query_positions[row]: keys at positions < p from the context,
+    then its own K/V from the slot it was written to (slot_mapping[row]), which holds the
+    chain node's in the context when the row is a leaf alternative."""
+    p = int(meta.query_positions[row])
+    own = meta.slot_mapping[row:row + 1]
+    k_row = torch.cat([k[:p], read_slots(k_cache, own).to(k.dtype)])
+    v_row = torch.cat([v[:p], read_slots(v_cache, own).to(v.dtype)])
+    return _attend_one(q[None], k_row, v_row, group, scale, sliding_window)[0]
 
 
 def _attend_one(
