@@ -231,3 +231,21 @@ def test_eagle3_runners_up_become_alternatives(tiny_llama_dir):
         for d in set(draft_tree.depths(t.parents)):   # no two siblings share a token
             kids = [x for x, p, dd in zip(t.tokens, t.parents, draft_tree.depths(t.parents)) if dd == d]
             assert len(kids) == len(set(kids))
+
+
+def test_kept_alternatives_leave_seeded_output_plain(tiny_llama_dir):
+    """T = 1 with per-request seeds: the oracle knows the seeded plain run's tokens, so whole
+    trees are kept (their bonus rows draw at depth k) and alternatives too (siblings share
+    their position's noise row)."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=24, ignore_eos=True)
+
+    def outputs(engine):
+        return [o.outputs[0].token_ids for o in
+                engine.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+    plain = outputs(LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=256, num_threads=1))
+    llm = tree_llm(tiny_llama_dir)
+    runner = llm.engine.runner
+    runner.spec.proposer = OracleTrees(runner.spec.proposer, {tuple(p): o for p, o in zip(PROMPTS, plain)})
+    assert outputs(llm) == plain
+    stats = llm.get_stats()
+    assert stats["spec_num_accepted_tokens"] > 3 * stats["spec_num_drafts"] / 2

@@ -23,8 +23,9 @@ from tokenmill.sample.metadata import (RowSamplingState, build_sampling_metadata
                                        step_seed)
 from tokenmill.sample.noise_budget import NoiseBudget
 from tokenmill.sample.rejection import RejectionSampler
-from tokenmill.sample.sampler import Sampler, compute_logprobs, torch_argmax
+from tokenmill.sample.sampler import Sampler, compute_logprobs, position_noise, torch_argmax
 from tokenmill.sched.output import SchedulerOutput
+from tokenmill.spec.coupled import coupled
 from tokenmill.spec.draft_input import AuxCapture, StepFeatures
 
 
@@ -266,12 +267,20 @@ class ModelRunner:
             parents.append(state.spec_parents)
             row_req_ids += [req_id] * (len(state.spec_token_ids) + 1)
             n0 = len(state.output_token_ids)
+            # a tree's rows at one depth draw at one position: a seeded request's siblings
+            # share that position's noise row, drawn once (a 49k-token row: ~0.3 ms)
+            shared = {} if state.spec_parents is not None and coupled(state) else None
             for depth, history in _row_histories(state.spec_token_ids, state.spec_parents):
                 generator = None if state.seed is None else make_request_generator(
                     step_seed(state.seed, n0 + depth), self.device)
+                noise = state.drawn_noise.get(n0 + depth)
+                if noise is None and shared is not None:
+                    noise = shared.get(depth)
+                    if noise is None:
+                        noise = shared[depth] = position_noise(state.seed, n0 + depth,
+                                                               self.vocab_size, self.device)
                 rows.append(RowSamplingState(state.params, state.prompt_token_ids,
-                                             state.output_token_ids + history,
-                                             generator, state.drawn_noise.get(n0 + depth)))
+                                             state.output_token_ids + history, generator, noise))
         logits, bad_rows = _zero_nonfinite_rows(logits)
         meta = build_sampling_metadata(rows, self.vocab_size, self.device, self.shared_generator,
                                        bitmask_rows(grammar_bitmask, row_req_ids, self.device))
