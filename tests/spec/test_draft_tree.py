@@ -249,3 +249,21 @@ def test_kept_alternatives_leave_seeded_output_plain(tiny_llama_dir):
     assert outputs(llm) == plain
     stats = llm.get_stats()
     assert stats["spec_num_accepted_tokens"] > 3 * stats["spec_num_drafts"] / 2
+
+
+def test_adaptive_k_measures_each_tree_against_its_chain(tiny_llama_dir):
+    plain = run(LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=256, num_threads=1),
+                PROMPTS, n=24)
+    spec = dict(method="eagle3", num_speculative_tokens=3, speculative_token_tree=TREE, ngram_first=True)
+    llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_threads=1, num_kv_blocks=256,
+              speculative_config=spec)
+    dec = llm.engine.runner.spec
+    assert dec.controller.modes == 4          # (lookup + drafter, lookup only) x (tree, chain)
+    widths = []
+    propose = dec.proposer.propose
+    dec.proposer.propose = lambda inp: widths.append(inp.widths) or propose(inp)
+    for _ in range(3):
+        assert run(llm, PROMPTS, n=24) == plain
+    stats = llm.get_stats()
+    assert stats["spec_tree_steps"] > 0
+    assert dec.widths in widths and () in widths      # both were played

@@ -252,7 +252,8 @@ def _row_stats(dec, rounds: list[float], ratios: list[float], same: float) -> di
             "identical": round(same, 3),
             "k_chosen": " ".join(f"{k}:{n}" for k, n in sorted(s.k_chosen.items())),
             "lookup_share": _lookup_share(dec.proposer),
-            "lookup_only_steps": s.cheaper_mode_steps if hasattr(dec.proposer, "modes") else None}
+            "lookup_only_steps": s.cheaper_mode_steps if hasattr(dec.proposer, "modes") else None,
+            "tree_steps": s.tree_steps if dec.widths else None}
 
 
 def _lookup_share(proposer) -> Optional[float]:

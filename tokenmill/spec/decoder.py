@@ -37,10 +37,14 @@ class SpecDecoder:
         self.k_max = k_max or config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.block_size = block_size
-        modes = len(getattr(proposer, "modes", ("as built",)))
-        self.controller = AdaptiveK(self.k_max, modes) if config.adaptive else FixedK(self.k_max)
         # candidates per depth when the drafter branches (spec/draft_tree.py), else ()
         self.widths = config.tree_widths if config.speculative_token_tree is not None else ()
+        # adaptive with a tree: each proposer mode twice, with its tree and with its chain
+        # alone (a tree's extra rows pay where its first choice fails often, at T > 0 and
+        # batch 1, and cost more than they earn where verification is compute-bound)
+        self.tree_modes = 2 if self.widths and config.adaptive else 1
+        modes = len(getattr(proposer, "modes", ("as built",))) * self.tree_modes
+        self.controller = AdaptiveK(self.k_max, modes) if config.adaptive else FixedK(self.k_max)
         self.stats = SpecDecodingStats(self.k_max)
         self.plain_cost = PlainStepCost()
         # (batch size, k, proposer mode, draft seconds, ids of the requests drafted for)
@@ -95,10 +99,13 @@ class SpecDecoder:
         k, mode = self.controller.choose(len(rows)) if rows else (0, 0)
         if k > 0 and self.plain_cost.wants_sample(len(rows)):
             k = 0       # a plain step now and then measures c(B) (for the estimated speedup)
+        proposer_mode, chain_only = divmod(mode, self.tree_modes)
         if rows:
             self.stats.k_chosen[k] = self.stats.k_chosen.get(k, 0) + 1
-            if k and mode:
+            if k and proposer_mode:
                 self.stats.cheaper_mode_steps += 1
+            if k and self.widths and not chain_only:
+                self.stats.tree_steps += 1
         if k == 0:
             self._pending = (len(rows), 0, 0, 0.0, frozenset()) if rows else None
             if features is not None:   # no drafts, but the proposer's context must follow
@@ -106,8 +113,9 @@ class SpecDecoder:
             return {}
         states = [runner.states[inp.sample_req_ids[b]] for b in rows]
         caps = [self._cap(s, k) for s in states]
-        drafts, seconds = self._timed_propose(DraftInput(states, caps, hidden[rows], features, mode=mode,
-                                                         widths=self.widths))
+        drafts, seconds = self._timed_propose(DraftInput(states, caps, hidden[rows], features,
+                                                         mode=proposer_mode,
+                                                         widths=() if chain_only else self.widths))
         ids = frozenset(s.req_id for s in states)
         self._drafted |= ids
         for req_id in ids:

@@ -120,6 +120,7 @@ class SpecDecodingStats:
     measured_time: float = 0.0         # sum of step + drafting seconds over the same steps
     k_chosen: dict = field(default_factory=dict)   # k -> steps it was chosen for
     cheaper_mode_steps: int = 0        # of the k > 0 steps: those in a proposer's cheaper mode
+    tree_steps: int = 0                # of the k > 0 steps: those drafting a tree (not its chain alone)
     live: dict = field(default_factory=dict)       # req_id -> RequestSpecStats, not finished
     finished: deque = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
     num_finished: int = 0
@@ -215,6 +216,7 @@ class SpecDecodingStats:
             "spec_verify_time_s": self.verify_time,
             "spec_k_chosen": dict(sorted(self.k_chosen.items())),
             "spec_cheaper_mode_steps": self.cheaper_mode_steps,
+            "spec_tree_steps": self.tree_steps,
             "spec_estimated_speedup": self.estimated_speedup,
             "spec_adaptive_predicted_speedup": predicted_speedup,
         }
