@@ -33,8 +33,12 @@ def exact(hf, prompt):
     return p1, p1 @ p2_given, p3
 
 
-# One method in the default run; all of them under -m slow (each takes ~20 s on 2 quiet cores).
-@pytest.mark.parametrize("method", [m if m == "layer_skip" else pytest.param(m, marks=pytest.mark.slow)
+# Two methods in the default run (layer_skip, and draft trees: the newest verification path);
+# all of them under -m slow (each takes ~20 s on 2 quiet cores).
+DEFAULT_RUN = ("layer_skip", "eagle3_tree")
+
+
+@pytest.mark.parametrize("method", [m if m in DEFAULT_RUN else pytest.param(m, marks=pytest.mark.slow)
                                     for m in METHODS])
 def test_spec_sampling_matches_target_distribution(tiny_llama_dir, tiny_llama_hf, method, tmp_path):
     from tests.conftest import save_tiny_llama

@@ -19,6 +19,8 @@ METHODS = {
     "medusa": dict(method="medusa"),
     "eagle": dict(method="eagle"),
     "eagle3": dict(method="eagle3"),       # random head with its own paged KV
+    # its runners-up too: three candidates at depth 1, two at depth 2 (spec/draft_tree.py)
+    "eagle3_tree": dict(method="eagle3", speculative_token_tree="[(0,), (1,), (2,), (0, 0), (0, 1)]"),
     "dflash": dict(method="dflash"),       # random drafter (one layer, blocks of 16)
 }
 
@@ -65,7 +67,7 @@ def test_greedy_equals_plain_in_mixed_batch(tiny_llama_dir, draft_dir, plain, me
 
 
 @pytest.mark.skipif(not native.has_avx512_bf16(), reason="CPU without AVX-512 BF16")
-@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+@pytest.mark.parametrize("method", ["ngram", "eagle3", "eagle3_tree"])
 def test_greedy_equals_plain_in_bf16_mode(tiny_llama_dir, draft_dir, method):
     """cpu_gemm_dtype bfloat16 multiplies decode rows, verify steps and prefill chunks on the
     bf16 tiles: a row's bits do not depend on how many rows share its matmul, so speculation
@@ -82,7 +84,7 @@ def test_greedy_equals_plain_in_bf16_mode(tiny_llama_dir, draft_dir, method):
     assert llm.get_stats()["spec_num_accepted_tokens"] > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft_model", "eagle3", "dflash"])
+@pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft_model", "eagle3", "eagle3_tree", "dflash"])
 def test_greedy_equals_plain_with_chunking_and_preemption(tiny_llama_dir, draft_dir, plain, method):
     ref = run(plain, PROMPTS, greedy())
     small = spec_llm(tiny_llama_dir, draft_dir, method, num_kv_blocks=14,
@@ -94,7 +96,7 @@ def test_greedy_equals_plain_with_chunking_and_preemption(tiny_llama_dir, draft_
     assert not small.engine.scheduler.requests and not small.engine.runner.states
 
 
-@pytest.mark.parametrize("method", ["ngram", "layer_skip", "eagle3", "dflash"])
+@pytest.mark.parametrize("method", ["ngram", "layer_skip", "eagle3", "eagle3_tree", "dflash"])
 def test_logprobs_penalties_and_prefix_cache(tiny_llama_dir, draft_dir, plain, method):
     params = greedy(16, logprobs=2, repetition_penalty=1.3, frequency_penalty=0.4)
     ref = plain.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
