@@ -82,9 +82,10 @@ def add_parser(sub) -> None:
                         "eagle3_int8 / dflash_int8: the drafter served in int8; ngram_<method>: "
                         "prompt lookup where it finds a match, the method's drafter elsewhere; "
                         "<eagle3 method>_tree: draft trees (--token-tree)")
-    p.add_argument("--token-tree", default="[(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 0, 0)]",
+    p.add_argument("--token-tree", default="[(0,), (1,), (2,)]",
                    help="speculative_token_tree of the _tree methods (vLLM's spelling: paths of "
-                        "child ranks; alternatives are leaves)")
+                        "child ranks; alternatives are leaves). The default, three candidates at "
+                        "the first position, measured best on SmolLM2 at batch 1")
     p.add_argument("--layer-skip-layers", type=int, default=8)
     p.add_argument("--draft-model", default=None, help="checkpoint for draft_model")
     p.add_argument("--drafter", action="append", default=[], metavar="METHOD=DIR",
