@@ -14,6 +14,7 @@ from tokenmill.layers.attention.kv_quant import QuantizedKV, dequantize_kv, quan
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.attention.reference import ReferenceAttention
 from tests.layers.block_tables import shuffled_block_tables
+from tests.layers.test_cpu_ops import _kv_caches
 
 # Skipped only where the kernels cannot exist; where they should, a failed build fails here.
 pytestmark = pytest.mark.skipif(not native.buildable(), reason="no C compiler, or a CPU without AVX2")
@@ -29,19 +30,6 @@ REQUESTS = {"one-5": [5], "one-20": [20], "one-62": [62], "one-70": [70], "pair"
             "batch": [3, 5, 20, 62, 70]}
 BS, THREADS, SCALE = 4, 2, 0.125
 CHAIN = 3   # draft chain length; one leaf alternative at each depth 1..CHAIN
-
-
-def _caches(kv_dtype, shape, g):
-    """K and V caches of random values: float dtypes, or int8 QuantizedKV (per-slot scales)."""
-    if kv_dtype is not torch.int8:
-        return [torch.randn(*shape, generator=g).to(kv_dtype) for _ in range(2)]
-    caches = []
-    for _ in range(2):
-        c = QuantizedKV.zeros(shape, torch.int8, "cpu")
-        slots = torch.arange(shape[0] * shape[1])
-        c.write(torch.randn(slots.shape[0], *shape[2:], generator=g), slots)
-        caches.append(c)
-    return caches
 
 
 def _copy_slot(cache, src: int, dst: int) -> None:
@@ -99,7 +87,7 @@ def _tree_batch(ctxs, kv_dtype, shape, seed, alternatives=1):
     seq_lens = [c + n for c, n in zip(ctxs, q_lens)]
     nblocks = sum(-(-s // BS) for s in seq_lens) + 3
     tables = shuffled_block_tables(seq_lens, BS, nblocks, g)
-    k_cache, v_cache = _caches(kv_dtype, (nblocks, BS, hkv, d), g)
+    k_cache, v_cache = _kv_caches(kv_dtype, (nblocks, BS, hkv, d), g)
     q = torch.randn(sum(q_lens), hq, d, generator=g)
     q_pos = torch.tensor([p for c in ctxs for p in _tree_positions(c, alternatives)])
     return q, k_cache, v_cache, q_lens, seq_lens, tables, q_pos
