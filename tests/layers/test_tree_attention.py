@@ -182,6 +182,38 @@ def test_cpu_backend_matches_the_reference_on_trees(kv_dtype, shape, requests, w
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_runs_beside_a_tree_keep_their_own_paths():
+    """A prompt chunk and a plain decode row in a step with a draft tree: the tree takes the
+    paged kernel, the others the paths (and bits) they take in a step without one."""
+    shape, hkv, d = (9, 3, 64), 3, 64
+    q, k_cache, v_cache, q_lens, seq_lens, tables, q_pos = _tree_batch([20, 33, 9], torch.float32, shape, 8)
+    # request 0: a prompt chunk of 12 rows (positions 8..19 of its 20 + 7 tree slots: keep
+    # its table, only 20 keys); request 2: one plain decode row at its index position
+    q_lens2 = [12, q_lens[1], 1]
+    seq_lens2 = [20, seq_lens[1], 10]
+    rows = list(range(8, 20)) + list(range(q_lens[0], q_lens[0] + q_lens[1])) + [q_lens[0] + q_lens[1]]
+    q2 = q[:sum(q_lens2)].clone()
+    pos = torch.cat([torch.arange(8, 20), q_pos[q_lens[0]:q_lens[0] + q_lens[1]], torch.tensor([9])])
+    g = torch.Generator().manual_seed(9)
+    key, value = (torch.randn(q2.shape[0], hkv, d, generator=g) for _ in range(2))
+    assert len(rows) == q2.shape[0]
+
+    def forward(tree: bool):
+        meta = AttentionMetadata.build(q_lens2, seq_lens2, tables, BS, "cpu")
+        meta.prompt_runs = (True, False, False)
+        meta.query_positions = pos.clone() if tree else None
+        saved = torch.get_num_threads()
+        torch.set_num_threads(THREADS)
+        try:
+            return CpuAttention().forward(q2, key, value, k_cache.clone(), v_cache.clone(), meta, SCALE)
+        finally:
+            torch.set_num_threads(saved)
+    with_tree, without = forward(True), forward(False)
+    assert torch.equal(with_tree[:12], without[:12])      # the prompt chunk: prefill bits
+    assert torch.equal(with_tree[-1:], without[-1:])      # the decode row
+    assert not torch.equal(with_tree[12:-1], without[12:-1])   # the tree's alternatives moved
+
+
 def test_reference_tree_row_equals_its_chain_row():
     """The oracle itself: an alternative's row is the row of a chain holding it at its
     position (values, so exact float32 equality is not required, only close)."""

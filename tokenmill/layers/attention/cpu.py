@@ -11,10 +11,11 @@ Two paths, chosen per request from the Python query lengths:
 Where the C kernels run, both take them instead (cpu_ops.paged_attention for the short runs,
 cpu_ops.prefill_attention for the chunks: each row's bits fixed by the row alone, so a
 prompt prefilled after a prefix-cache hit equals the same prompt prefilled cold).
-A step that verifies draft trees (``meta.query_positions``) runs every request through
-cpu_ops.paged_attention, whatever its length: only that kernel reads a leaf alternative's
-own key from its written slot (neither PyTorch path does), and its rows have the bits of
-the same tokens decoded as a chain.
+A draft tree's run (``meta.query_positions``) goes through cpu_ops.paged_attention whatever
+its length: only that kernel reads a leaf alternative's own key from its written slot
+(neither PyTorch path does), and its rows have the bits of the same tokens decoded as a
+chain. The other runs of that step take their usual paths (a prompt chunk beside a tree
+keeps its prefill bits).
 Compute is fp32 (bf16 matmul on CPU is far slower); the output has the query's dtype.
 """
 
@@ -62,16 +63,18 @@ class CpuAttention(AttentionBackend):
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         check_gqa(query.shape[1], k_cache.shape[2])
         out = torch.empty_like(query)
-        if meta.query_positions is not None:
-            self._draft_trees(query, k_cache, v_cache, meta, scale, sliding_window, out)
-            return out
+        # a draft tree's run takes the C paged kernel whatever its length; every other run
+        # takes its usual path, so its bits do not depend on a tree beside it
+        trees = meta.tree_runs() or (False,) * meta.num_reqs
         short = [b for b, q in enumerate(meta.query_lens)
-                 if q <= MAX_BATCHED_QUERY_LEN and not meta.is_prompt_run(b)]
-        if short and not (self.cpu_kernels and _fused(cpu_ops.paged_attention, query, k_cache,
-                                                      v_cache, meta, short, scale, sliding_window, out)):
+                 if trees[b] or (q <= MAX_BATCHED_QUERY_LEN and not meta.is_prompt_run(b))]
+        if any(trees):
+            self._draft_trees(query, k_cache, v_cache, meta, short, scale, sliding_window, out)
+        elif short and not (self.cpu_kernels and _fused(cpu_ops.paged_attention, query, k_cache,
+                                                        v_cache, meta, short, scale, sliding_window, out)):
             _batched_short(query, k_cache, v_cache, meta, short, scale, sliding_window, out)
         long = [b for b, q in enumerate(meta.query_lens)
-                if q > MAX_BATCHED_QUERY_LEN or meta.is_prompt_run(b)]
+                if not trees[b] and (q > MAX_BATCHED_QUERY_LEN or meta.is_prompt_run(b))]
         if long and not (self.cpu_kernels and _fused(cpu_ops.prefill_attention, query, k_cache,
                                                      v_cache, meta, long, scale, sliding_window, out)):
             starts = _starts(meta.query_lens)
@@ -85,15 +88,14 @@ class CpuAttention(AttentionBackend):
         return out
 
 
-    def _draft_trees(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                     sliding_window: Optional[int], out: torch.Tensor) -> None:
-        """Every request of a step that verifies draft trees through the C paged kernel (a
-        PyTorch fallback would attend the chain node's key in place of an alternative's own:
-        a wrong answer, so none is taken)."""
+    def _draft_trees(self, query, k_cache, v_cache, meta: AttentionMetadata, reqs: list[int],
+                     scale: float, sliding_window: Optional[int], out: torch.Tensor) -> None:
+        """The short runs of a step that verifies draft trees, trees included, through the C
+        paged kernel (a PyTorch fallback would attend the chain node's key in place of an
+        alternative's own: a wrong answer, so none is taken)."""
         if not self.supports_draft_trees:
             raise ValueError("draft trees need the C attention kernel (cpu_kernels on and the "
                              "kernel library built)")
-        reqs = list(range(meta.num_reqs))
         if not _fused(cpu_ops.paged_attention, query, k_cache, v_cache, meta, reqs, scale,
                       sliding_window, out, meta.checked_query_positions()):
             raise ValueError("draft trees need the C attention kernel, which does not take "

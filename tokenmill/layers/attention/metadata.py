@@ -80,8 +80,18 @@ class AttentionMetadata:
             if pos.shape != index_pos.shape or bool((pos < 0).any() or (pos > index_pos).any()):
                 raise ValueError("query_positions must hold one position per query token, each "
                                  "in [0, seq_len - query_len + i]")
+            moved = (pos != index_pos).to(torch.int64)
             self.plan_cache[key] = pos
+            self.plan_cache[("tree_runs",)] = tuple(
+                bool(moved[s:e].any()) for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()))
         return self.plan_cache[key]
+
+    def tree_runs(self) -> tuple:
+        """Per request: does its run hold a row below its index position (a draft tree's
+        leaf alternative)? () without draft trees."""
+        if self.checked_query_positions() is None:
+            return ()
+        return self.plan_cache[("tree_runs",)]
 
     def for_window(self, window) -> "AttentionMetadata":
         """The metadata a layer attending with ``window`` (None: full) reads its cache through."""
