@@ -335,11 +335,10 @@ class Scheduler:
         for a chain)."""
         room = max(min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1, 0)
         req.drafts_are_forced = False
-        if not drafts:
-            return [], None
+        drafts = list(drafts or [])
         if parents is not None and (req.grammar is not None or draft_tree.is_chain(parents)):
             drafts, parents = drafts[:draft_tree.chain_length(parents)], None
-        if req.grammar is not None:
+        if req.grammar is not None:   # its forced tokens become drafts, proposed or not
             drafts = grammar_drafts(req, drafts, self.config.max_forced_drafts)
         if parents is None:
             return list(drafts[:room]), None
