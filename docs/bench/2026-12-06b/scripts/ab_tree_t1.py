@@ -2,12 +2,15 @@
 with k drafts, and the same with a draft tree, on 8 chat prompts one at a time (batch 1),
 seeded at temperature T; 5 rounds, each engine once per round. Prints the median tok/s of each
 and its ratio to plain, per round and overall. Outputs are checked equal to plain's.
-usage: python ab_tree_t1.py DRAFTER_DIR T K TREE"""
+usage: python ab_tree_t1.py DRAFTER_DIR T K TREE [gguf-q8]   (the target's weights: fp32, or
+GGUF q8 blocks with int8-rounded activations and an fp16 KV cache)"""
 import statistics, sys, time
 from tokenmill import LLM, SamplingParams
 
 drafter, temp, k, tree = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 base = dict(model="smollm2-135m", num_threads=2, max_model_len=2048, max_num_seqs=1)
+if sys.argv[5:] == ["gguf-q8"]:
+    base.update(quantization="gguf", quant_activations="q8", kv_cache_dtype="fp16")
 spec = dict(method="eagle3", model=drafter, quantization="int8", num_speculative_tokens=k, adaptive=False,
             ngram_first=True, prompt_lookup_min=2, prompt_lookup_max=4)
 engines = {"plain": LLM(**base), "chain": LLM(**base, speculative_config=spec),
@@ -38,4 +41,4 @@ for rnd in range(5):
     print(f"round {rnd}: " + "  ".join(f"{n} {v[-1]:.1f}" for n, v in speed.items()), flush=True)
 med = {n: statistics.median(v) for n, v in speed.items()}
 ratios = {n: statistics.median(a / b for a, b in zip(v, speed["plain"])) for n, v in speed.items()}
-print(f"T={temp} k={k} tree={tree}: " + "  ".join(f"{n} {med[n]:.1f} tok/s ({ratios[n]:.3f}x)" for n in med))
+print(f"{sys.argv[5] if len(sys.argv) > 5 else 'fp32'} T={temp} k={k} tree={tree}: " + "  ".join(f"{n} {med[n]:.1f} tok/s ({ratios[n]:.3f}x)" for n in med))
