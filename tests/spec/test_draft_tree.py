@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.spec.drafter_reference import PROMPTS, run
+from tests.spec.test_coupled import seeded_outputs
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import SpeculativeConfig
 from tokenmill.runner import fused_stack, model_runner
@@ -31,7 +32,8 @@ def test_vllm_spelling_gives_candidates_per_depth():
 @pytest.mark.parametrize("tree, match", [
     ("[(1, 0)]", "continues an alternative"), ("[(0,), (0, 1, 0)]", "continues an alternative"),
     ("[(0,), (2,)]", "without gaps"), ("[(0, 0)]", "parent"), ("[]", "at least one"),
-    ("[(0,), (-1,)]", "negative"), ("[('a',)]", "tuples of child ranks")])
+    ("[(0,), (-1,)]", "negative"), ("[('a',)]", "tuples of child ranks"),
+    ("[(0,", "tuples of child ranks"), ("abc", "tuples of child ranks")])
 def test_unsupported_trees_are_refused(tree, match):
     with pytest.raises(ValueError, match=match):
         draft_tree.parse_token_tree(tree)
@@ -200,15 +202,8 @@ def test_random_drafter_trees_greedy_and_seeded_equal_plain(tiny_llama_dir, plai
     assert run(llm, PROMPTS) == plain_outputs
     stats = llm.get_stats()
     assert stats["spec_num_drafts"] > 0
-    prompts = [[(17 * i + 5 * j) % 380 + 3 for j in range(n)] for i, n in enumerate([5, 9, 23, 40])]
-    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=200 + i, max_tokens=16, ignore_eos=True)
-              for i in range(len(prompts))]
-
-    def outputs(engine):
-        return [o.outputs[0].token_ids for o in
-                engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     plain = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=64, num_threads=1)
-    assert outputs(tree_llm(tiny_llama_dir, ngram_first=ngram_first)) == outputs(plain)
+    assert seeded_outputs(tree_llm(tiny_llama_dir, ngram_first=ngram_first), 16) == seeded_outputs(plain, 16)
 
 
 def test_eagle3_runners_up_become_alternatives(tiny_llama_dir):

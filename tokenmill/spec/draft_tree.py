@@ -96,10 +96,10 @@ def parse_token_tree(spec) -> tuple[int, ...]:
     string: "[(0,), (1,), (0, 0)]") -> candidates per depth, the chain's included. Only trees
     whose paths branch at their last step are supported: (0, 0, 2) is the third candidate at
     depth 3; (1, 0), a child of an alternative, is refused."""
-    paths = ast.literal_eval(spec) if isinstance(spec, str) else spec
     try:
+        paths = ast.literal_eval(spec) if isinstance(spec, str) else spec
         paths = {tuple(int(r) for r in p) for p in paths}
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, SyntaxError):
         raise ValueError(f"speculative_token_tree must be a list of tuples of child ranks, got {spec!r}") from None
     if not paths or () in paths:
         raise ValueError("speculative_token_tree must name at least one node, and no empty path")
