@@ -100,17 +100,19 @@ def test_the_sampler_takes_the_noise_drawn_ahead_and_it_is_the_generators_own():
     assert sample(lambda r: rigged if r == 1 else None).tolist() == [plain[0].item(), 7, *plain[2:].tolist()]
 
 
+def seeded_outputs(llm, max_tokens: int = 12) -> list:
+    """Token ids of four seeded T = 1 (top-p 0.95) requests of 5 to 40 prompt tokens."""
+    prompts = [[(17 * i + 5 * j) % 380 + 3 for j in range(n)] for i, n in enumerate([5, 9, 23, 40])]
+    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=200 + i, max_tokens=max_tokens,
+                             ignore_eos=True) for i in range(len(prompts))]
+    return [o.outputs[0].token_ids for o in
+            llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+
 @pytest.mark.parametrize("method", ["eagle3", "dflash", "layer_skip", "draft_model", "medusa", "eagle"])
 def test_seeded_output_is_plain_with_every_step_drafting(tiny_llama_dir, method, tmp_path):
     """Fixed k (no adaptive k = 0 streaks): every step drafts through the coupled path and
     hands its noise rows to the sampler, and seeded output still equals no speculation."""
-    prompts = [[(17 * i + 5 * j) % 380 + 3 for j in range(n)] for i, n in enumerate([5, 9, 23, 40])]
-    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=200 + i, max_tokens=12, ignore_eos=True)
-              for i in range(len(prompts))]
-
-    def outputs(llm):
-        return [o.outputs[0].token_ids for o in
-                llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
     plain = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=64)
     cfg = dict(method=method, num_speculative_tokens=3, adaptive=False)
     if method == "draft_model":
@@ -131,7 +133,7 @@ def test_seeded_output_is_plain_with_every_step_drafting(tiny_llama_dir, method,
             checked.append(len(d))
         return drafts
     proposer.propose = checking
-    assert outputs(spec) == outputs(plain)
+    assert seeded_outputs(spec) == seeded_outputs(plain)
     assert spec.get_stats()["spec_num_draft_tokens"] >= 40 and sum(checked) >= 40
 
 

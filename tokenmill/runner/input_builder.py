@@ -159,14 +159,16 @@ def build_model_input(num_scheduled_tokens: dict[str, int], states: dict[str, Ru
     build = backend.build_metadata if backend is not None else AttentionMetadata.build
     meta = build(query_lens, seq_lens, [t[0] for t in block_tables], block_size, device)
     meta.prompt_runs = tuple(prompt_runs)
+    positions_host = torch.tensor(positions, dtype=torch.int64)
     if trees:   # host positions for the attention kernel (rows whose own key sits elsewhere)
-        meta.query_positions = torch.tensor(positions, dtype=torch.int64)
+        meta.query_positions = positions_host
     if kv_layout is not None and len(kv_layout.groups) > 1:
         group_metas = [meta] + [meta.with_tables([t[g] for t in block_tables])
                                 for g in range(1, len(kv_layout.groups))]
         meta.by_window = {w: group_metas[g] for w, g in kv_layout.group_of_window().items() if g}
     ids_t, positions_t, logits_t = to_device(
-        [torch.tensor(v, dtype=torch.int64) for v in (input_ids, positions, logits_indices)], device)
+        [torch.tensor(input_ids, dtype=torch.int64), positions_host,
+         torch.tensor(logits_indices, dtype=torch.int64)], device)
     return ModelInput(
         input_ids=ids_t, positions=positions_t,
         attn_meta=meta, req_ids=req_ids, sample_req_ids=sample_req_ids,

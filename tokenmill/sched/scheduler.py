@@ -125,8 +125,8 @@ class Scheduler:
             num_drafts = num_new - (req.num_tokens - req.num_computed_tokens)
             if num_drafts > 0:   # drafts past the budget are simply not verified this step
                 spec[req.request_id] = req.spec_token_ids[:num_drafts]
-                parents = (req.spec_parents or [])[:num_drafts]
-                if not draft_tree.is_chain(parents or None):   # a prefix is a tree too
+                parents = req.spec_parents[:num_drafts] if req.spec_parents else None
+                if not draft_tree.is_chain(parents):   # a prefix of a tree is a tree too
                     trees[req.request_id] = parents
             cached_reqs.append(self._request_data(req, new_block_ids, new_reqs))
             i += 1

@@ -80,7 +80,7 @@ class AttentionMetadata:
             if pos.shape != index_pos.shape or bool((pos < 0).any() or (pos > index_pos).any()):
                 raise ValueError("query_positions must hold one position per query token, each "
                                  "in [0, seq_len - query_len + i]")
-            moved = (pos != index_pos).to(torch.int64)
+            moved = pos != index_pos
             self.plan_cache[key] = pos
             self.plan_cache[("tree_runs",)] = tuple(
                 bool(moved[s:e].any()) for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()))
