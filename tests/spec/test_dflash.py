@@ -254,6 +254,47 @@ def test_recipe_learns_and_measures_acceptance(runner, tmp_path):
     assert load_dflash(str(tmp_path), target, torch.device("cpu")).config.block_size == 4
 
 
+def test_loss_and_acceptance_read_the_draft_vocabulary(runner):
+    """With a draft vocabulary the loss is cross-entropy over its rows of the head, labels
+    outside it weighing nothing, and held-out drafts are its argmax mapped back to ids."""
+    from tokenmill.spec.train.target_ops import head_logits
+    target, recipe = runner.model, DFlashRecipe()
+    layers = recipe.aux_layers(target)
+    seqs = repetitive_sequences(runner, layers, 3, seed=3)
+    drafter = recipe.build(target, {"num_layers": 1, "block_size": 4, "blocks_per_sequence": 50},
+                           seed=0)
+    labels = torch.cat([s.token_ids[s.prompt_len + 1:] for s in seqs]).unique()
+    ids = torch.cat([labels[::2], torch.tensor([0, 1])]).unique()     # half the labels in
+    drafter.draft_vocab_ids = ids
+    loss, _ = recipe.loss(drafter, target, seqs)
+    # by hand: every anchor of every sequence (50 > the continuation), decayed weights
+    index = {int(t): i for i, t in enumerate(ids)}
+    total = weight = 0.0
+    for seq in seqs:
+        anchors = recipe._anchors(seq, 50)
+        h = recipe.blocks(drafter, target, seq, anchors).detach()
+        for b, a in enumerate(anchors):
+            for j in range(1, min(4, seq.num_tokens - a)):
+                label = int(seq.token_ids[a + j])
+                if label not in index:
+                    continue
+                w = math.exp(-(j - 1) / recipe.gamma)
+                logits = head_logits(target, h[b, j][None])[0, ids]
+                total += w * float(torch.nn.functional.cross_entropy(
+                    logits[None], torch.tensor([index[label]])))
+                weight += w
+    assert weight > 0 and abs(float(loss) - total / weight) < 1e-4
+    # acceptance: the proposer's choice (argmax over the draft rows), as target ids
+    acc = recipe.acceptance(drafter, target, seqs, k=3)
+    hits = 0
+    for seq in seqs:
+        anchors = recipe._anchors(seq, 16)
+        h = recipe.blocks(drafter, target, seq, anchors)[:, 1]
+        guess = ids[head_logits(target, h)[:, ids].argmax(-1)]
+        hits += int((guess == seq.token_ids[torch.tensor(anchors) + 1]).sum())
+    assert acc[0] == hits / sum(len(recipe._anchors(s, 16)) for s in seqs)
+
+
 # -- end to end -----------------------------------------------------------------------------
 def dflash_llm(model_dir, quantization=None, **kw):
     kw.setdefault("num_kv_blocks", 256)
