@@ -283,7 +283,7 @@ def test_loss_and_acceptance_read_the_draft_vocabulary(runner):
                 total += w * float(torch.nn.functional.cross_entropy(
                     logits[None], torch.tensor([index[label]])))
                 weight += w
-    assert weight > 0 and abs(float(loss) - total / weight) < 1e-4
+    assert weight > 0 and abs(loss.item() - total / weight) < 1e-4
     # acceptance: the proposer's choice (argmax over the draft rows), as target ids
     acc = recipe.acceptance(drafter, target, seqs, k=3)
     hits = 0
