@@ -189,3 +189,12 @@ def test_cpu_isa_avx2_caps_every_row_and_llamacpp_may_run_elsewhere(tiny_llama_d
     assert "avx512" not in tm["kernel_flags"] and "-mavx2" in tm["kernel_flags"]
     assert tm["torch_cpu_capability"] == "AVX2"          # ATEN_CPU_CAPABILITY in its process
     assert rows["llama.cpp gguf"]["status"].startswith("no such python")
+
+
+def test_bf16_row_keeps_bf16_kv_like_vllms_bf16_row_unless_asked_otherwise():
+    from tokenmill.bench.compare import row_kv_cache_dtype
+    assert row_kv_cache_dtype("bf16", "auto") == "bfloat16"
+    assert row_kv_cache_dtype("fp32", "auto") == "auto"
+    assert row_kv_cache_dtype("gguf-q8", "auto") == "auto"
+    assert row_kv_cache_dtype("bf16", "fp16") == "fp16"
+    assert row_kv_cache_dtype("fp32", "fp16") == "fp16"

@@ -94,7 +94,8 @@ def add_parser(sub) -> None:
                         "process); llama.cpp runs what its build has (see its system_info: "
                         "pair with --llamacpp-python). bf16 rows need AVX-512 and say so")
     p.add_argument("--kv-cache-dtype", default="auto",
-                   help="tokenmill rows' KV cache (auto = float32; fp16 matches llama.cpp's f16 K/V)")
+                   help="tokenmill rows' KV cache (auto: float32, and bfloat16 for the bf16 row, "
+                        "as vLLM's bf16 row keeps its K/V; fp16 matches llama.cpp's f16 K/V)")
     compare_contexts.add_args(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the result to this file")
@@ -291,6 +292,13 @@ def _one_round(plan: list[dict], path: str, workload: dict, max_num_seqs: int, a
     return rows
 
 
+def row_kv_cache_dtype(precision: str, requested: str) -> str:
+    """A tokenmill row's KV cache: the one asked for, or with "auto" float32 (the model's
+    dtype) except in the bf16 row, whose K/V are bf16 like vLLM's bf16 row's (equal precision;
+    +7 % throughput at 32 sequences, docs/bench/2026-12-06c)."""
+    return "bfloat16" if requested == "auto" and precision == "bf16" else requested
+
+
 def run_row(item: dict, path: str, workload: dict, args) -> dict:
     """One planned row measured in its own process (``workload``: the spec's workload fields)."""
     spec = {"engine": item["engine"], "precision": item["precision"], "model_path": path,
@@ -298,7 +306,8 @@ def run_row(item: dict, path: str, workload: dict, args) -> dict:
             "output_len": args.output_len, "repeats": args.repeats,
             "throughput_repeats": args.throughput_repeats or args.repeats,
             "vllm_model": args.vllm_model, "progress": args.progress,
-            "kv_cache_dtype": args.kv_cache_dtype, "cpu_isa": args.cpu_isa,
+            "kv_cache_dtype": row_kv_cache_dtype(item["precision"], args.kv_cache_dtype),
+            "cpu_isa": args.cpu_isa,
             "python": {"vllm": args.vllm_python, "llama.cpp": args.llamacpp_python}.get(item["engine"]),
             **workload}
     try:
