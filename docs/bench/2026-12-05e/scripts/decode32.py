@@ -1,8 +1,8 @@
-# 32 x 128-token prompts prefix-cached, then 128 decode steps at 32 sequences (prefill nearly free); prints READY before the measured part
+# 32 x 128-token prompts prefix-cached, then 128 decode steps at 32 sequences (prefill nearly free); prints READY before the measured part. usage: decode32.py CPU_GEMM_DTYPE [ROUNDS [KV_CACHE_DTYPE]]
 import sys, time, torch, os
 from tokenmill import LLM, SamplingParams
 dt = sys.argv[1]
-llm = LLM(model="smollm2-135m", cpu_gemm_dtype=dt, max_num_seqs=32, enable_prefix_caching=True)
+llm = LLM(model="smollm2-135m", cpu_gemm_dtype=dt, max_num_seqs=32, enable_prefix_caching=True, kv_cache_dtype=(sys.argv[3] if len(sys.argv) > 3 else "auto"))
 g = torch.Generator().manual_seed(0)
 prompts = [{"prompt_token_ids": torch.randint(100, 40000, (128,), generator=g).tolist()} for _ in range(32)]
 llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
