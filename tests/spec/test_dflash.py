@@ -293,6 +293,11 @@ def test_loss_and_acceptance_read_the_draft_vocabulary(runner):
         guess = ids[head_logits(target, h)[:, ids].argmax(-1)]
         hits += int((guess == seq.token_ids[torch.tensor(anchors) + 1]).sum())
     assert acc[0] == hits / sum(len(recipe._anchors(s, 16)) for s in seqs)
+    # a batch none of whose labels is in the vocabulary weighs nothing and does not stop training
+    drafter.draft_vocab_ids = torch.tensor([0, 1])
+    loss, metrics = recipe.loss(drafter, target, seqs)
+    loss.backward()
+    assert loss.item() == 0.0 and metrics["acc"] == 0.0
 
 
 # -- end to end -----------------------------------------------------------------------------
