@@ -4,9 +4,10 @@
 Prints tok/s and the ratio to plain per round, the medians, and each engine's acceptance by
 position. Outputs are checked equal to plain's (seeded sampling is exact).
 usage: python ab_eagle3_t1.py OLD_DIR NEW_DIR K TREE [ROUNDS] [TEMPERATURE]"""
-import statistics, sys, time
+import sys
 from tokenmill import LLM, SamplingParams
 from tokenmill.spec.bench import _prompts
+from interleave import report, run_rounds
 
 old, new, k, tree = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 rounds = int(sys.argv[5]) if len(sys.argv) > 5 else 3
@@ -26,25 +27,4 @@ for name, d in (("old", old), ("new", new)):
     engines[name + "_tree"] = LLM(**base, speculative_config=spec(d, True))
 prompts, _ = _prompts(engines["plain"].engine.tokenizer, "chat", 16, "sharegpt")
 params = [SamplingParams(temperature=temp, seed=i, max_tokens=96) for i in range(len(prompts))]
-speed = {n: [] for n in engines}
-outs = {}
-for rnd in range(rounds):
-    for name, llm in engines.items():
-        t, tokens, got = time.perf_counter(), 0, []
-        for p, sp in zip(prompts, params):
-            o = llm.generate([p], sp, use_tqdm=False)[0].outputs[0]
-            tokens += len(o.token_ids)
-            got.append(o.token_ids)
-        speed[name].append(tokens / (time.perf_counter() - t))
-        outs[name] = got
-    assert all(v == outs["plain"] for v in outs.values()), "outputs differ"
-    print(f"round {rnd}: " + "  ".join(f"{n} {v[-1]:.1f}" for n, v in speed.items()), flush=True)
-ratios = {n: statistics.median(a / b for a, b in zip(v, speed["plain"])) for n, v in speed.items()}
-print(f"T={temp} k={k} tree={tree}: " + "  ".join(
-    f"{n} {statistics.median(speed[n]):.1f} tok/s ({ratios[n]:.3f}x)" for n in engines))
-for name, llm in engines.items():
-    if name != "plain":
-        s = llm.get_stats()
-        n = max(s["spec_num_drafts"], 1)
-        print(f"{name}: tau {s['spec_mean_acceptance_length']:.3f}  acceptance by position "
-              f"{[round(a / n, 3) for a in s['spec_accepted_per_position']]}")
+report(engines, run_rounds(engines, prompts, params, rounds), f"T={temp} k={k} tree={tree}")
