@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from tokenmill.spec.dflash import config_for_target, save_dflash
 from tokenmill.spec.dflash_model import DFlashDrafter, init_weights, spread_layer_ids
 from tokenmill.spec.train.data import choose_draft_vocab
-from tokenmill.spec.train.target_ops import head_logits, head_weight
+from tokenmill.spec.train.target_ops import head_logits
 
 _OPTIONS = ("num_layers", "block_size", "blocks_per_sequence", "loss_decay_gamma", "mask_token_id",
             "draft_vocab")
@@ -61,26 +61,11 @@ class DFlashRecipe:
         return drafter
 
     @staticmethod
-    def _head_rows(drafter: DFlashDrafter, target) -> tuple:
-        """(the head's rows the proposer drafts over, target id -> row index or -1; None, None
-        for the whole vocabulary)."""
-        ids = getattr(drafter, "draft_vocab_ids", None)
-        if ids is None:
-            return None, None
-        w = head_weight(target)
-        index = torch.full((target.args.vocab_size,), -1, dtype=torch.int64)
+    def _row_of(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """[vocab_size]: each target id's row in the draft vocabulary ``ids``, -1 outside it."""
+        index = torch.full((vocab_size,), -1, dtype=torch.int64)
         index[ids] = torch.arange(ids.numel())
-        return w[ids.to(w.device)], index
-
-    @staticmethod
-    def _logits(target, hidden: torch.Tensor, rows) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits over ``rows`` (None: head_logits, every id), soft-capped
-        as the target's head is."""
-        if rows is None:
-            return head_logits(target, hidden)
-        logits = F.linear(hidden.to(rows.dtype), rows).float()
-        cap = getattr(target.args, "final_logit_softcapping", None)
-        return torch.tanh(logits / cap) * cap if cap else logits
+        return index
 
     # -- the block forward over one sequence ---------------------------------------------------
     @staticmethod
@@ -134,12 +119,12 @@ class DFlashRecipe:
                 weights.extend(decay[1:1 + n])
         if not rows:
             raise ValueError("dflash: no continuation long enough to train on")
-        head_rows, index = self._head_rows(drafter, target)
-        logits = self._logits(target, torch.cat(rows), head_rows)
+        ids = getattr(drafter, "draft_vocab_ids", None)
+        logits = head_logits(target, torch.cat(rows), ids)
         labels = torch.cat(labels).to(logits.device)
         w = torch.tensor(weights, device=logits.device)
-        if index is not None:                 # rows of the draft vocabulary; others weigh 0
-            labels = index.to(labels.device)[labels]
+        if ids is not None:                   # rows of the draft vocabulary; others weigh 0
+            labels = self._row_of(ids, target.args.vocab_size).to(labels.device)[labels]
             w = w * (labels >= 0)
             labels = labels.clamp(min=0)
         # a batch with no label in the draft vocabulary (rare) weighs nothing: a zero loss
@@ -157,14 +142,13 @@ class DFlashRecipe:
         of blocks whose drafts 1..j+1 all matched (0 past the block's block_size - 1 drafts)."""
         hits, total = [0] * k, 0
         n = min(k, drafter.block_size - 1)
-        head_rows, _ = self._head_rows(drafter, target)
         ids = getattr(drafter, "draft_vocab_ids", None)
         for seq in seqs:
             anchors = self._anchors(seq, 16)
             if not anchors:
                 continue
             h = self.blocks(drafter, target, seq, anchors)[:, 1:1 + n]
-            guesses = self._logits(target, h.reshape(-1, h.shape[-1]), head_rows).argmax(-1)
+            guesses = head_logits(target, h.reshape(-1, h.shape[-1]), ids).argmax(-1)
             if ids is not None:                   # draft-vocabulary rows -> target ids
                 guesses = ids.to(guesses.device)[guesses]
             guesses = guesses.view(len(anchors), n).tolist()

@@ -5,6 +5,8 @@ quantized kernel, which autograd cannot go through (the gradient silently stops 
 recipes that train something *below* the target's frozen LM head call ``head_logits``."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -18,10 +20,13 @@ def head_weight(target) -> torch.Tensor:
     return w
 
 
-def head_logits(target, hidden: torch.Tensor) -> torch.Tensor:
+def head_logits(target, hidden: torch.Tensor, ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """hidden [N, H] -> float32 logits [N, V], as ``target.compute_logits`` (final logit
-    soft-capping included), with gradients flowing to ``hidden``."""
+    soft-capping included), with gradients flowing to ``hidden``. ``ids``: only the logits
+    of these token ids, [N, len(ids)] (a drafter's draft vocabulary)."""
     w = head_weight(target)
+    if ids is not None:
+        w = w[ids.to(w.device)]
     logits = F.linear(hidden.to(w.dtype), w).float()
     cap = getattr(target.args, "final_logit_softcapping", None)
     return torch.tanh(logits / cap) * cap if cap else logits
