@@ -141,18 +141,21 @@ def cpu_vendor() -> str:
     return line.partition(":")[2].strip()
 
 
-# The tiled q8 GEMM's VNNI build prefetches its weight stream 4 KB ahead on Intel CPUs:
-# +15-24 % at 1-8 rows on an Emerald Rapids Xeon, while the same prefetch made the Gemma3
-# head slower on Zen 4 (5.4 -> 5.6-5.8 ms), where the hardware prefetchers keep up.
+# The tiled q8 GEMM prefetches its weight stream 4 KB ahead in the VNNI build on Intel CPUs
+# (+15-24 % at 1-8 rows on an Emerald Rapids Xeon) and in every AVX2 build, at 1-2 rows
+# (Zen 3: batch-1 gguf-q8 decode +4 to +22 % in interleaved runs, where the hardware
+# prefetchers alone left one or two rows latency-bound). Not in the VNNI build on AMD: on
+# Zen 4 it made the Gemma3 head slower (5.4 -> 5.6-5.8 ms).
 _QG_PREFETCH_FLAG = "-DTM_QG_PREFETCH=4096"
 
 
 def build_flags(vnni: Optional[bool] = None, qg_prefetch: Optional[bool] = None) -> list:
     """Compiler flags of the kernel library: AVX2 + FMA + F16C, plus AVX-512 VNNI when
     ``vnni`` (default: whether this CPU has it), plus the tiled GEMM's software prefetch when
-    ``qg_prefetch`` (default: on Intel CPUs)."""
-    flags = _FLAGS + _VNNI_FLAGS if (has_vnni() if vnni is None else vnni) else list(_FLAGS)
-    if cpu_vendor() == "GenuineIntel" if qg_prefetch is None else qg_prefetch:
+    ``qg_prefetch`` (default: the AVX2 build, and the VNNI build on Intel CPUs)."""
+    vnni = has_vnni() if vnni is None else vnni
+    flags = _FLAGS + _VNNI_FLAGS if vnni else list(_FLAGS)
+    if (not vnni or cpu_vendor() == "GenuineIntel") if qg_prefetch is None else qg_prefetch:
         flags.append(_QG_PREFETCH_FLAG)
     return flags
 

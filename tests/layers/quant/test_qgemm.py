@@ -116,6 +116,26 @@ def test_five_bit_tiles_compute_what_eight_bit_tiles_compute(kind):
 
 
 @needs_kernel
+@pytest.mark.parametrize("kind", ["i4-g32", "i5-g32", "i5m-g32"])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_tiled_kernel_is_exact_at_the_largest_products(kind, sign):
+    """Every weight at the top of its range and every activation rounding to +-127: the
+    AVX2 build adds vpmaddubsw's int16 pair sums before widening them (8 of an i4 block, 4
+    of an i5 one); at these values one more would overflow int16."""
+    p = _packed(kind, 40, 256, 5)
+    if kind == "i4-g32":
+        p.qweight = F.pack_int4(torch.full((40, 256), 15, dtype=torch.uint8))
+    else:
+        p.qweight = torch.full((40, 256), 31 if p.mins is not None else 15, dtype=torch.int8)
+    tiled = qgemm.tile(p)
+    assert (tiled.kind & 7) == (kernels.KIND_I4 if kind == "i4-g32" else kernels.KIND_I5)
+    for rows in (1, 3, 9):   # one-pass tiles of one row, of several rows, then half passes
+        x = torch.full((rows, 256), 2.5 * sign)
+        ref = reference_linear(x, p, activations="q8")
+        torch.testing.assert_close(qgemm.qgemm_q8(x, tiled), ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
+
+
+@needs_kernel
 def test_tiled_kernel_takes_zero_rows():
     t = qgemm.tile(_packed("i4-g32", 40, 64, 1))
     assert qgemm.qgemm_q8(torch.empty(0, 64), t).shape == (0, 40)

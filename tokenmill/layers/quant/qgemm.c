@@ -43,6 +43,17 @@ INLINE uint64_t qg_i5_bits(const uint8_t *wb, int r) {
     return bits;
 }
 
+/* Software prefetch of block b's bw bytes of tile t, TM_QG_PREFETCH bytes ahead in the
+ * thread's stream of tiles (built in where native.py's build_flags says so). */
+INLINE void qg_prefetch_block(const uint8_t *qw, int64_t t, int64_t nb, int64_t b, int64_t bw) {
+#ifdef TM_QG_PREFETCH
+    const char *ahead = (const char *)(qw + (t * nb + b) * bw) + TM_QG_PREFETCH;
+    for (int64_t l = 0; l < bw; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
+#else
+    (void)qw; (void)t; (void)nb; (void)b; (void)bw;
+#endif
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define QG_MT 8      /* activation rows per pass over a tile */
 
@@ -116,13 +127,7 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
             for (int m = 0; m < mb; m++)
                 dot[m] = offset ? _mm512_set1_epi32(-offset * qsum[m * nb + b]) : _mm512_setzero_si512();
             const int8_t *xb = xq + b * 32;
-#ifdef TM_QG_PREFETCH
-            {   /* this block's lines TM_QG_PREFETCH bytes ahead in the thread's stream of tiles */
-                const int64_t bw = i4 ? 256 : i5 ? QG_I5_BYTES : 512;
-                const char *ahead = (const char *)(qw + (t * nb + b) * bw) + TM_QG_PREFETCH;
-                for (int64_t l = 0; l < bw; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
-            }
-#endif
+            qg_prefetch_block(qw, t, nb, b, i4 ? 256 : i5 ? QG_I5_BYTES : 512);
             if (i4 || i5) {
                 const uint8_t *wb = qw + (t * nb + b) * (i5 ? QG_I5_BYTES : 256);
                 for (int p = 0; p < 4; p++) {
@@ -158,6 +163,10 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
 }
 #else
 #define QG_MT 4      /* 16 ymm registers: 4 rows x (sum + block dot) plus weights */
+/* Streamed passes of at most this many rows take the software prefetch (where built in):
+ * on Zen 3 it made 1-2 rows latency-bound no longer, while 4 rows are compute-bound and
+ * lost to its extra loads (docs/bench/2026-12-06d). */
+#define QG_PREFETCH_ROWS 2
 
 /* As the VNNI build's, except int8 rows: they restore q by the sign trick instead. */
 INLINE int qg_offset(int kind, int has_mins) {
@@ -169,18 +178,27 @@ INLINE __m256 qg_load8(const float *p, int64_t i, int kind) {   /* 8 scales or m
                               : _mm256_loadu_ps(p + i);
 }
 
-/* int8 steps s0 .. s1 - 1 of one block into dot[m] (q = stored byte - 128), by the sign
- * trick: |q| unsigned, x with q's sign. */
+/* int8 step s of one block into dot[m] (q = stored byte - 128), by the sign trick: |q|
+ * unsigned, x with q's sign. */
+INLINE void qg_i8_step(const uint8_t *wb, const int8_t *xb, int64_t K, const int mb, int s,
+                       __m256i *dot) {
+    const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
+    __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wb + 64 * s)), bias);
+    __m256i wu = _mm256_sign_epi8(w, w);
+    for (int m = 0; m < mb; m++) {
+        __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(*(const int32_t *)(xb + m * K + 4 * s)), w);
+        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), ones));
+    }
+}
+
+/* Steps s0 .. s1 - 1. */
 INLINE void qg_i8_steps(const uint8_t *wb, const int8_t *xb, int64_t K, const int mb, int s0,
                         int s1, __m256i *dot) {
-    const __m256i ones = _mm256_set1_epi16(1), bias = _mm256_set1_epi8((char)0x80);
-    for (int s = s0; s < s1; s++) {
-        __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wb + 64 * s)), bias);
-        __m256i wu = _mm256_sign_epi8(w, w);
-        for (int m = 0; m < mb; m++) {
-            __m256i x = _mm256_sign_epi8(_mm256_set1_epi32(*(const int32_t *)(xb + m * K + 4 * s)), w);
-            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(wu, x), ones));
-        }
+    if (mb == 1) {   /* fully unrolled: few registers live */
+        for (int s = s0; s < s1; s++) qg_i8_step(wb, xb, K, mb, s, dot);
+    } else {   /* rolled by two: fully unrolled, GCC hoisted every row's broadcasts and spilled them */
+#pragma GCC unroll 2
+        for (int s = s0; s < s1; s++) qg_i8_step(wb, xb, K, mb, s, dot);
     }
 }
 
@@ -233,6 +251,7 @@ INLINE void qgemm_tile_g16_as(const int8_t *xq, const float *dx, const int mb, i
         __m256 acc0[QG_MT], acc1[QG_MT];
         for (int m = 0; m < mb; m++) acc0[m] = acc1[m] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
+            if (mb <= QG_PREFETCH_ROWS) qg_prefetch_block(qw, t, nb, b, 512);
             qg16_half_block(xq, dx, mb, K, kind, qw, sc, t, b, 0, acc0);
             qg16_half_block(xq, dx, mb, K, kind, qw, sc, t, b, 1, acc1);
         }
@@ -260,6 +279,35 @@ INLINE void qgemm_tile_g16(const int8_t *xq, const float *dx, const int32_t *qsu
         qgemm_tile_g16_as(xq, dx, mb, K, kind, qw, sc, N, t, y, 0);
 }
 
+/* Step p (values 8p .. 8p + 7) of half h of an int4 / int5 tile block for mb rows into
+ * pairs[m], widened into dot[m] every 4 (i4) or 2 (i5) steps. vpmaddubsw's int16 pair sums are
+ * added in int16, one vpmaddwd per widening instead of one per vpmaddubsw: |pair| <=
+ * 2 * 15 * 127 (i4) or 2 * 31 * 127 (i5), so the eight of a block (i4) or four (i5) stay
+ * below 2^15. The same exact integers as widening each one. */
+INLINE void qg_nibble_step(const uint8_t *block, int h, int p, int i5, const int8_t *xb, int64_t K,
+                           const int mb, __m256i *pairs, __m256i *dot) {
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 32 * h + 64 * p));
+    __m256i w0 = _mm256_and_si256(raw, low);
+    __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    if (i5) {   /* this half's 32 bits of each mask, as 0x10 bytes */
+        w0 = _mm256_or_si256(w0, qg_bits_to_fifth((uint32_t)(qg_i5_bits(block, 2 * p) >> (32 * h))));
+        w1 = _mm256_or_si256(w1, qg_bits_to_fifth((uint32_t)(qg_i5_bits(block, 2 * p + 1) >> (32 * h))));
+    }
+    for (int m = 0; m < mb; m++) {
+        const int8_t *xm = xb + m * K + 8 * p;
+        const __m256i x0 = _mm256_set1_epi32(*(const int32_t *)xm);
+        const __m256i x1 = _mm256_set1_epi32(*(const int32_t *)(xm + 4));
+        pairs[m] = _mm256_add_epi16(pairs[m], _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0),
+                                                               _mm256_maddubs_epi16(w1, x1)));
+    }
+    if ((p + 1) % (i5 ? 2 : 4) == 0)
+        for (int m = 0; m < mb; m++) {
+            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(pairs[m], ones));
+            pairs[m] = _mm256_setzero_si256();
+        }
+}
+
 /* AVX2: the same tiles as two halves of 8 rows (one ymm lane each), vpmaddubsw + vpmaddwd
  * for each vpdpbusd; int8 weights by the sign trick (|q| unsigned, x with q's sign). Every
  * lane sums the same integers and then runs the same float operations in the same order
@@ -272,30 +320,20 @@ INLINE void qg_half_block(const int8_t *xq, const float *dx, const int32_t *qsum
                           const float *sc, int64_t t, int64_t g, int64_t b, int h, __m256 *acc) {
     const int64_t nb = K / 32;
     const int i4 = (kind & 7) == 1, i5 = (kind & 7) == QG_KIND_I5;
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256 s_vec = qg_load8(sc, (t * ngroups + g) * QG_TILE + 8 * h, kind);
     const int8_t *xb = xq + b * 32;
-    __m256i dot[QG_MT];
-    for (int m = 0; m < mb; m++)
+    __m256i dot[QG_MT], pairs[QG_MT];
+    for (int m = 0; m < mb; m++) {
         dot[m] = offset ? _mm256_set1_epi32(-offset * qsum[m * nb + b]) : _mm256_setzero_si256();
+        pairs[m] = _mm256_setzero_si256();
+    }
     if (i4 || i5) {
         const uint8_t *block = qw + (t * nb + b) * (i5 ? QG_I5_BYTES : 256);
-        const uint8_t *wb = block + 32 * h;
-        for (int p = 0; p < 4; p++) {
-            __m256i raw = _mm256_loadu_si256((const __m256i *)(wb + 64 * p));
-            __m256i w0 = _mm256_and_si256(raw, low);
-            __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-            if (i5) {   /* this half's 32 bits of each mask, as 0x10 bytes */
-                w0 = _mm256_or_si256(w0, qg_bits_to_fifth((uint32_t)(qg_i5_bits(block, 2 * p) >> (32 * h))));
-                w1 = _mm256_or_si256(w1, qg_bits_to_fifth((uint32_t)(qg_i5_bits(block, 2 * p + 1) >> (32 * h))));
-            }
-            for (int m = 0; m < mb; m++) {
-                const int8_t *xm = xb + m * K + 8 * p;
-                __m256i x0 = _mm256_set1_epi32(*(const int32_t *)xm);
-                __m256i x1 = _mm256_set1_epi32(*(const int32_t *)(xm + 4));
-                dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones));
-                dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), ones));
-            }
+        if (mb == 1) {   /* fully unrolled: few registers live */
+            for (int p = 0; p < 4; p++) qg_nibble_step(block, h, p, i5, xb, K, mb, pairs, dot);
+        } else {   /* rolled: fully unrolled, GCC hoisted every row's broadcasts and spilled them */
+#pragma GCC unroll 1
+            for (int p = 0; p < 4; p++) qg_nibble_step(block, h, p, i5, xb, K, mb, pairs, dot);
         }
     } else {
         qg_i8_steps(qw + (t * nb + b) * 512 + 32 * h, xb, K, mb, 0, 8, dot);
@@ -330,6 +368,8 @@ INLINE void qgemm_tile_as(const int8_t *xq, const float *dx, const float *xsum, 
         for (int m = 0; m < mb; m++) acc0[m] = acc1[m] = _mm256_setzero_ps();
         for (int64_t g = 0; g < ngroups; g++) {
             for (int64_t b = g * per_g; b < (g + 1) * per_g; b++) {
+                if (mb <= QG_PREFETCH_ROWS)
+                    qg_prefetch_block(qw, t, K / 32, b, (kind & 7) == 1 ? 256 : (kind & 7) == QG_KIND_I5 ? QG_I5_BYTES : 512);
                 qg_half_block(xq, dx, qsum, mb, K, ngroups, kind, offset, qw, sc, t, g, b, 0, acc0);
                 qg_half_block(xq, dx, qsum, mb, K, ngroups, kind, offset, qw, sc, t, g, b, 1, acc1);
             }
