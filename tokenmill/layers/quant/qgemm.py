@@ -10,6 +10,8 @@ exact float group sums), summed in another order. Measured (2 threads, GOPS, /tm
 a Zen 4 box, SmolLM2 shapes): VNNI build 340-600 at 16-1024 rows vs oneDNN fp32 160-225,
 and 115-300 at one row vs the streaming q8 kernel's 42-75; AVX2 build 160-227 at 16-64 rows
 vs the streaming kernel's 88-141, and at one row 133-203 (int4) and 95-121 (int8) vs 48-78.
+On a real Zen 3 (AVX2 only) the AVX2 build runs 120-180 at 4-512 rows against oneDNN fp32's
+100-130, and 60-100 at one row (docs/bench/2026-12-06d).
 With fp32 activations nothing is tiled and matmul.py works as before.
 """
 from __future__ import annotations
