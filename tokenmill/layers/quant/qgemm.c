@@ -196,7 +196,7 @@ INLINE void qg_i8_steps(const uint8_t *wb, const int8_t *xb, int64_t K, const in
                         int s1, __m256i *dot) {
     if (mb == 1) {   /* fully unrolled: few registers live */
         for (int s = s0; s < s1; s++) qg_i8_step(wb, xb, K, mb, s, dot);
-    } else {   /* rolled by two: fully unrolled, GCC hoisted every row's broadcasts and spilled them */
+    } else {   /* unrolled by two only: fully unrolled, GCC hoisted every row's broadcasts and spilled them */
 #pragma GCC unroll 2
         for (int s = s0; s < s1; s++) qg_i8_step(wb, xb, K, mb, s, dot);
     }
@@ -331,7 +331,7 @@ INLINE void qg_half_block(const int8_t *xq, const float *dx, const int32_t *qsum
         const uint8_t *block = qw + (t * nb + b) * (i5 ? QG_I5_BYTES : 256);
         if (mb == 1) {   /* fully unrolled: few registers live */
             for (int p = 0; p < 4; p++) qg_nibble_step(block, h, p, i5, xb, K, mb, pairs, dot);
-        } else {   /* rolled: fully unrolled, GCC hoisted every row's broadcasts and spilled them */
+        } else {   /* not unrolled: fully unrolled, GCC hoisted every row's broadcasts and spilled them */
 #pragma GCC unroll 1
             for (int p = 0; p < 4; p++) qg_nibble_step(block, h, p, i5, xb, K, mb, pairs, dot);
         }
