@@ -43,14 +43,15 @@ INLINE uint64_t qg_i5_bits(const uint8_t *wb, int r) {
     return bits;
 }
 
-/* Software prefetch of block b's bw bytes of tile t, TM_QG_PREFETCH bytes ahead in the
- * thread's stream of tiles (built in where native.py's build_flags says so). */
-INLINE void qg_prefetch_block(const uint8_t *qw, int64_t t, int64_t nb, int64_t b, int64_t bw) {
+/* Software prefetch of block b of tile t (a tiled kind's block bytes), TM_QG_PREFETCH bytes
+ * ahead in the thread's stream of tiles (built in where native.py's build_flags says so). */
+INLINE void qg_prefetch_block(const uint8_t *qw, int64_t t, int64_t nb, int64_t b, int kind) {
 #ifdef TM_QG_PREFETCH
+    const int64_t bw = (kind & 7) == 1 ? 256 : (kind & 7) == QG_KIND_I5 ? QG_I5_BYTES : 512;
     const char *ahead = (const char *)(qw + (t * nb + b) * bw) + TM_QG_PREFETCH;
     for (int64_t l = 0; l < bw; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
 #else
-    (void)qw; (void)t; (void)nb; (void)b; (void)bw;
+    (void)qw; (void)t; (void)nb; (void)b; (void)kind;
 #endif
 }
 
@@ -127,7 +128,7 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
             for (int m = 0; m < mb; m++)
                 dot[m] = offset ? _mm512_set1_epi32(-offset * qsum[m * nb + b]) : _mm512_setzero_si512();
             const int8_t *xb = xq + b * 32;
-            qg_prefetch_block(qw, t, nb, b, i4 ? 256 : i5 ? QG_I5_BYTES : 512);
+            qg_prefetch_block(qw, t, nb, b, kind);
             if (i4 || i5) {
                 const uint8_t *wb = qw + (t * nb + b) * (i5 ? QG_I5_BYTES : 256);
                 for (int p = 0; p < 4; p++) {
@@ -196,7 +197,8 @@ INLINE void qg_i8_steps(const uint8_t *wb, const int8_t *xb, int64_t K, const in
                         int s1, __m256i *dot) {
     if (mb == 1) {   /* fully unrolled: few registers live */
         for (int s = s0; s < s1; s++) qg_i8_step(wb, xb, K, mb, s, dot);
-    } else {   /* unrolled by two only: fully unrolled, GCC hoisted every row's broadcasts and spilled them */
+    } else {   /* several rows: unrolled by two only (fully unrolled, GCC hoisted every row's
+                * broadcasts to the top of the block and spilled them to the stack) */
 #pragma GCC unroll 2
         for (int s = s0; s < s1; s++) qg_i8_step(wb, xb, K, mb, s, dot);
     }
@@ -251,7 +253,7 @@ INLINE void qgemm_tile_g16_as(const int8_t *xq, const float *dx, const int mb, i
         __m256 acc0[QG_MT], acc1[QG_MT];
         for (int m = 0; m < mb; m++) acc0[m] = acc1[m] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
-            if (mb <= QG_PREFETCH_ROWS) qg_prefetch_block(qw, t, nb, b, 512);
+            if (mb <= QG_PREFETCH_ROWS) qg_prefetch_block(qw, t, nb, b, kind);
             qg16_half_block(xq, dx, mb, K, kind, qw, sc, t, b, 0, acc0);
             qg16_half_block(xq, dx, mb, K, kind, qw, sc, t, b, 1, acc1);
         }
@@ -322,16 +324,17 @@ INLINE void qg_half_block(const int8_t *xq, const float *dx, const int32_t *qsum
     const int i4 = (kind & 7) == 1, i5 = (kind & 7) == QG_KIND_I5;
     const __m256 s_vec = qg_load8(sc, (t * ngroups + g) * QG_TILE + 8 * h, kind);
     const int8_t *xb = xq + b * 32;
-    __m256i dot[QG_MT], pairs[QG_MT];
-    for (int m = 0; m < mb; m++) {
+    __m256i dot[QG_MT];
+    for (int m = 0; m < mb; m++)
         dot[m] = offset ? _mm256_set1_epi32(-offset * qsum[m * nb + b]) : _mm256_setzero_si256();
-        pairs[m] = _mm256_setzero_si256();
-    }
     if (i4 || i5) {
         const uint8_t *block = qw + (t * nb + b) * (i5 ? QG_I5_BYTES : 256);
+        __m256i pairs[QG_MT];   /* int16 pair sums not yet widened into dot */
+        for (int m = 0; m < mb; m++) pairs[m] = _mm256_setzero_si256();
         if (mb == 1) {   /* fully unrolled: few registers live */
             for (int p = 0; p < 4; p++) qg_nibble_step(block, h, p, i5, xb, K, mb, pairs, dot);
-        } else {   /* not unrolled: fully unrolled, GCC hoisted every row's broadcasts and spilled them */
+        } else {   /* several rows: not unrolled (fully unrolled, GCC hoisted every row's
+                    * broadcasts to the top of the block and spilled them to the stack) */
 #pragma GCC unroll 1
             for (int p = 0; p < 4; p++) qg_nibble_step(block, h, p, i5, xb, K, mb, pairs, dot);
         }
@@ -368,8 +371,7 @@ INLINE void qgemm_tile_as(const int8_t *xq, const float *dx, const float *xsum, 
         for (int m = 0; m < mb; m++) acc0[m] = acc1[m] = _mm256_setzero_ps();
         for (int64_t g = 0; g < ngroups; g++) {
             for (int64_t b = g * per_g; b < (g + 1) * per_g; b++) {
-                if (mb <= QG_PREFETCH_ROWS)
-                    qg_prefetch_block(qw, t, K / 32, b, (kind & 7) == 1 ? 256 : (kind & 7) == QG_KIND_I5 ? QG_I5_BYTES : 512);
+                if (mb <= QG_PREFETCH_ROWS) qg_prefetch_block(qw, t, K / 32, b, kind);
                 qg_half_block(xq, dx, qsum, mb, K, ngroups, kind, offset, qw, sc, t, g, b, 0, acc0);
                 qg_half_block(xq, dx, qsum, mb, K, ngroups, kind, offset, qw, sc, t, g, b, 1, acc1);
             }
