@@ -20,11 +20,12 @@
  *       128 * (sum of the block's int8 activations) off each block's dot, the AVX2 build
  *       restores q (vpmaddubsw's int16 pairs cannot hold (q + 128) * x)
  *   i5 (QG_KIND_I5: int8 values of five bits, GGUF Q5_0 / Q5_1 / Q5_K): 320 bytes per block,
- *       the i4 layout of u's low nibbles (256 bytes), then eight 64-bit masks, one per
- *       register of those (2p for the low nibbles of step p, 2p + 1 for the high ones):
- *       bit j * 4 + byte = bit 4 of that value's u. u = q + 16 without mins (q in -16..15;
- *       both builds take 16 * the block's activation sum off its dot), u = q with them
- *       (0..31). 5.5 bits a weight with its scale instead of int8's 8.5
+ *       the i4 layout of u's low nibbles (256 bytes), then the fifth-bit plane (64 bytes):
+ *       byte j * 4 + i, bit r = bit 4 of u in byte (j, i) of nibble register r (2p for the
+ *       low nibbles of step p, 2p + 1 for the high ones). One load serves the block's eight
+ *       registers, and each takes its bits by a shift and a mask. u = q + 16 without mins
+ *       (q in -16..15; both builds take 16 * the block's activation sum off its dot), u = q
+ *       with them (0..31). 5.5 bits a weight with its scale instead of int8's 8.5
  *   sc[t][g][j]: row j's scale of group g; mn[t][g][j] (i4, i8 with mins): its min (w = sc * q + mn), times
  *       the exact float sum of x over the group. float32, or float16 (kind | KIND_HALF)
  *       where the checkpoint's own are (GGUF): converted exactly, half the bytes.
@@ -36,11 +37,9 @@
 #define QG_KIND_I5 3  /* tiled-only kind (| KIND_HALF): five-bit values, see above */
 #define QG_I5_BYTES 320   /* bytes per block of a tile: 256 of nibbles, 64 of fifth bits */
 
-/* The 64-bit mask of fifth bits of register r of an i5 tile block (wb: the block). */
-INLINE uint64_t qg_i5_bits(const uint8_t *wb, int r) {
-    uint64_t bits;
-    memcpy(&bits, wb + 256 + 8 * r, sizeof bits);
-    return bits;
+/* The fifth-bit plane of an i5 tile block (wb: the block), 64 bytes. */
+INLINE const uint8_t *qg_i5_plane(const uint8_t *wb) {
+    return wb + 256;
 }
 
 /* Software prefetch of block b of tile t (a tiled kind's block bytes), TM_QG_PREFETCH bytes
@@ -135,9 +134,12 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
                     __m512i raw = _mm512_loadu_si512(wb + 64 * p);
                     __m512i w0 = _mm512_and_si512(raw, low);
                     __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-                    if (i5) {
-                        w0 = _mm512_mask_add_epi8(w0, _cvtu64_mask64(qg_i5_bits(wb, 2 * p)), w0, fifth);
-                        w1 = _mm512_mask_add_epi8(w1, _cvtu64_mask64(qg_i5_bits(wb, 2 * p + 1)), w1, fifth);
+                    if (i5) {   /* bit 2p / 2p + 1 of each plane byte: 16 more */
+                        const __m512i plane = _mm512_loadu_si512(qg_i5_plane(wb));
+                        w0 = _mm512_mask_add_epi8(w0, _mm512_test_epi8_mask(plane, _mm512_set1_epi8((char)(1 << (2 * p)))),
+                                                  w0, fifth);
+                        w1 = _mm512_mask_add_epi8(w1, _mm512_test_epi8_mask(plane, _mm512_set1_epi8((char)(2 << (2 * p)))),
+                                                  w1, fifth);
                     }
                     for (int m = 0; m < mb; m++) {
                         const int8_t *xm = xb + m * K + 8 * p;
@@ -204,14 +206,12 @@ INLINE void qg_i8_steps(const uint8_t *wb, const int8_t *xb, int64_t K, const in
     }
 }
 
-/* Byte b of the result = 0x10 where bit b of bits is set (an i5 register half's fifth bits). */
-INLINE __m256i qg_bits_to_fifth(uint32_t bits) {
-    const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                          2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), pick);
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+/* 0x10 in each byte whose bit r of the plane half is set, as src >> count, masked:
+ * ``src`` is the plane shifted left by 4 for registers 0-3 (count r) and the plane itself
+ * for 4-7 (count r - 4). The 16-bit shifts carry bits across bytes only into bits other
+ * than bit 4. */
+INLINE __m256i qg_fifth(__m256i src, const int count) {
+    return _mm256_and_si256(_mm256_srli_epi16(src, count), _mm256_set1_epi8(0x10));
 }
 
 /* acc[m] -> y[m, n0 .. n0 + 7]; rows of the last tile past N are not stored. */
@@ -286,15 +286,21 @@ INLINE void qgemm_tile_g16(const int8_t *xq, const float *dx, const int32_t *qsu
  * added in int16, one vpmaddwd per widening instead of one per vpmaddubsw: |pair| <=
  * 2 * 15 * 127 (i4) or 2 * 31 * 127 (i5), so the eight of a block (i4) or four (i5) stay
  * below 2^15. The same exact integers as widening each one. */
-INLINE void qg_nibble_step(const uint8_t *block, int h, int p, int i5, const int8_t *xb, int64_t K,
-                           const int mb, __m256i *pairs, __m256i *dot) {
+INLINE void qg_nibble_step(const uint8_t *block, int h, int p, int i5, __m256i plane4, __m256i plane,
+                           const int8_t *xb, int64_t K, const int mb, __m256i *pairs, __m256i *dot) {
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 32 * h + 64 * p));
     __m256i w0 = _mm256_and_si256(raw, low);
     __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-    if (i5) {   /* this half's 32 bits of each mask, as 0x10 bytes */
-        w0 = _mm256_or_si256(w0, qg_bits_to_fifth((uint32_t)(qg_i5_bits(block, 2 * p) >> (32 * h))));
-        w1 = _mm256_or_si256(w1, qg_bits_to_fifth((uint32_t)(qg_i5_bits(block, 2 * p + 1) >> (32 * h))));
+    if (i5) {   /* registers 2p and 2p + 1 of this half's plane */
+        const __m256i src = p < 2 ? plane4 : plane;
+        if (p & 1) {
+            w0 = _mm256_or_si256(w0, qg_fifth(src, 2));
+            w1 = _mm256_or_si256(w1, qg_fifth(src, 3));
+        } else {
+            w0 = _mm256_or_si256(w0, qg_fifth(src, 0));
+            w1 = _mm256_or_si256(w1, qg_fifth(src, 1));
+        }
     }
     for (int m = 0; m < mb; m++) {
         const int8_t *xm = xb + m * K + 8 * p;
@@ -331,12 +337,21 @@ INLINE void qg_half_block(const int8_t *xq, const float *dx, const int32_t *qsum
         const uint8_t *block = qw + (t * nb + b) * (i5 ? QG_I5_BYTES : 256);
         __m256i pairs[QG_MT];   /* int16 pair sums not yet widened into dot */
         for (int m = 0; m < mb; m++) pairs[m] = _mm256_setzero_si256();
+        __m256i plane = _mm256_setzero_si256(), plane4 = plane;
+        if (i5) {
+            plane = _mm256_loadu_si256((const __m256i *)(qg_i5_plane(block) + 32 * h));
+            plane4 = _mm256_slli_epi16(plane, 4);
+        }
         if (mb == 1) {   /* fully unrolled: few registers live */
-            for (int p = 0; p < 4; p++) qg_nibble_step(block, h, p, i5, xb, K, mb, pairs, dot);
-        } else {   /* several rows: not unrolled (fully unrolled, GCC hoisted every row's
-                    * broadcasts to the top of the block and spilled them to the stack) */
+            for (int p = 0; p < 4; p++) qg_nibble_step(block, h, p, i5, plane4, plane, xb, K, mb, pairs, dot);
+        } else {   /* several rows: two steps at a time, so that the plane's shifts are
+                    * constants (fully unrolled, GCC hoisted every row's broadcasts to the top
+                    * of the block and spilled them to the stack) */
 #pragma GCC unroll 1
-            for (int p = 0; p < 4; p++) qg_nibble_step(block, h, p, i5, xb, K, mb, pairs, dot);
+            for (int p = 0; p < 4; p += 2) {
+                qg_nibble_step(block, h, p, i5, plane4, plane, xb, K, mb, pairs, dot);
+                qg_nibble_step(block, h, p + 1, i5, plane4, plane, xb, K, mb, pairs, dot);
+            }
         }
     } else {
         qg_i8_steps(qw + (t * nb + b) * 512 + 32 * h, xb, K, mb, 0, 8, dot);
@@ -499,10 +514,8 @@ int tm_tiled_rows(const uint8_t *qw, int kind, int tile_mins, int64_t N, int64_t
                 } else {   /* step s = 2p + h: nibble h of byte (p, j, i) */
                     const uint8_t byte = wb[(s / 2) * 64 + j * 4 + i];
                     q = s % 2 ? byte >> 4 : byte & 0x0F;
-                    if (k7 == QG_KIND_I5) {
-                        const int bit = (s * QG_TILE + (int)j) * 4 + i;
-                        q = (q | ((wb[256 + bit / 8] >> (bit % 8)) & 1) << 4) - off5;
-                    }
+                    if (k7 == QG_KIND_I5)   /* bit s of the plane's byte (j, i) */
+                        q = (q | ((qg_i5_plane(wb)[j * 4 + i] >> s) & 1) << 4) - off5;
                 }
                 o[b * 32 + v] = (float)q;
             }

@@ -160,11 +160,12 @@ def _i5_tiles(rows: torch.Tensor, n: int, nb: int, offset: int) -> torch.Tensor:
     u = (rows.view(torch.int8).view(n, nb * 32).to(torch.int16) + offset).to(torch.uint8)
     steps = _nibble_steps(u, n, nb)
     nibbles = ((steps[..., 0] & 0x0F) | ((steps[..., 1] & 0x0F) << 4)).reshape(-1, nb, 256)
-    # mask 2p + h of a block: bit j * 4 + i = bit 4 of the value in register p's byte (j, i)
-    fifth = (steps >> 4).permute(0, 1, 2, 5, 3, 4).reshape(-1, nb, 8, 8, 8)   # [t, b, reg, byte, bit]
+    # the fifth-bit plane: byte (j, i), bit 2p + h = bit 4 of the value in nibble h of
+    # register p's byte (j, i), so one load serves a block's eight registers
+    fifth = (steps >> 4).permute(0, 1, 3, 4, 2, 5).reshape(-1, nb, 64, 8)   # [t, b, byte, reg]
     weights = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8)
-    masks = (fifth * weights).sum(dim=-1, dtype=torch.uint8).reshape(-1, nb, 64)
-    return torch.cat([nibbles, masks], dim=2)
+    plane = (fifth * weights).sum(dim=-1, dtype=torch.uint8)
+    return torch.cat([nibbles, plane], dim=2)
 
 
 def _i5_rows(qw: torch.Tensor, tile: torch.Tensor, r: torch.Tensor, nb: int, k: int,
@@ -173,8 +174,9 @@ def _i5_rows(qw: torch.Tensor, tile: torch.Tensor, r: torch.Tensor, nb: int, k: 
     raw = qw[tile]                                                      # [m, nb, 320]
     nib = raw[:, :, :256].reshape(-1, nb, 4, TILE, 4)[torch.arange(len(r)), :, :, r, :]   # [m, nb, p, i]
     low = torch.stack([nib & 0x0F, nib >> 4], dim=3)                    # [m, nb, p, h, i]
-    bits = (raw[:, :, 256:].reshape(-1, nb, 8, 8, 1) >> torch.arange(8, dtype=torch.uint8)) & 1
-    bits = bits.reshape(-1, nb, 4, 2, TILE, 4)[torch.arange(len(r)), :, :, :, r, :]   # [m, nb, p, h, i]
+    plane = raw[:, :, 256:].reshape(-1, nb, TILE, 4)[torch.arange(len(r)), :, r, :]   # [m, nb, i]
+    bits = (plane.unsqueeze(2) >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1   # [m, nb, reg, i]
+    bits = bits.view(-1, nb, 4, 2, 4)                                   # [m, nb, p, h, i]
     u = (low | (bits << 4)).reshape(-1, k).to(torch.int16)
     return (u - offset).to(torch.int8)
 
