@@ -123,6 +123,7 @@ def test_contexts_run_each_row_once_more_at_each_length(tiny_llama_dir, tmp_path
     assert lines[("transformers fp32", 24)]["tokenmill_vs"]["against"] == "tokenmill fp32"
     tm = next(r for r in result["rows"] if r["name"] == "tokenmill fp32")
     assert tm["kv_cache_dtype"] == "fp16" and tm["kv_bytes_per_token"] > 0
+    assert tm["kv_layer_windows"] and all(w is None for w in tm["kv_layer_windows"])   # Llama: all full
     assert any("ctx 40, multiple of its floor" in g["goal"] for g in result["goals"])
 
 
@@ -148,6 +149,12 @@ def test_context_goals_pair_llamacpp_with_its_tokenmill_row():
     lines = compare_contexts.attach(rows, runs, 40.0, {"gguf": ("gguf-q8", "gguf")}, 64)
     tm = next(line for line in lines if line["name"] == "tokenmill gguf-q8")
     assert tm["decode_x_floor"] == round(40e9 / (5 * 10**7 + 10**4 * (512 + 32)) / 150.0, 2)
+    # sliding-window layers read only their window of the cache: two layers, one of window 64
+    rows[0]["kv_layer_windows"] = [None, 64]
+    lines = compare_contexts.attach(rows, runs, 40.0, {"gguf": ("gguf-q8", "gguf")}, 64)
+    tm = next(line for line in lines if line["name"] == "tokenmill gguf-q8")
+    step = 5 * 10**7 + 10**4 / 2 * (512 + 32) + 10**4 / 2 * 64
+    assert tm["decode_x_floor"] == round(40e9 / step / 150.0, 2)
     with pytest.raises(ValueError):
         compare_contexts.parse("512,-1")
 

@@ -229,7 +229,7 @@ def add_comparisons(rows: list[dict], output_len: int, bandwidth_gbps: float,
                 r["output_token_ids"], ref["output_token_ids"], output_len)
             r["agreement_reference"] = ref["name"]
         if r["engine"] == "tokenmill" and r.get("weight_bytes"):
-            step_bytes = r.get("decode_weight_bytes", r["weight_bytes"]) + r["kv_bytes_per_token"] * (decode_context + output_len // 2)
+            step_bytes = compare_contexts.decode_step_bytes(r, decode_context + output_len // 2)
             r["decode_floor_tok_s"] = round(bandwidth_gbps * 1e9 / step_bytes, 1)
             r["decode_x_floor"] = round(r["decode_floor_tok_s"] / r["decode_tok_s"], 2)
             continue

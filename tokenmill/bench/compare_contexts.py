@@ -19,6 +19,17 @@ CONTEXT_COLUMNS = ("name", "context", "status", "prefill_tok_s", "decode_tok_s",
                    "peak_rss_mb", "tokenmill_vs.decode", "tokenmill_vs.prefill", "tokenmill_vs.against")
 
 
+def decode_step_bytes(row: dict, context: int) -> int:
+    """What a tokenmill row's batch-1 decode step reads at ``context`` tokens: its weights
+    (``decode_weight_bytes`` where it streams fewer than it holds) and its K/V, a sliding-
+    window layer's over its window only (``kv_layer_windows``; rows without it: every layer
+    full). ``kv_bytes_per_token`` is every layer's, each layer the same share."""
+    windows = row.get("kv_layer_windows") or [None]
+    per_layer = row["kv_bytes_per_token"] / len(windows)
+    kv = sum(per_layer * (context if w is None else min(context, w)) for w in windows)
+    return int(row.get("decode_weight_bytes", row["weight_bytes"]) + kv)
+
+
 def add_args(p) -> None:
     p.add_argument("--contexts", default="",
                    help="comma list of context lengths (e.g. 512,2048,4096,8192): prefill and "
@@ -59,7 +70,7 @@ def attach(rows: list[dict], runs: dict[str, dict], bandwidth_gbps: float,
             line = {"name": r["name"], "context": int(c), "status": r.get("contexts_status"),
                     "peak_rss_mb": r.get("contexts_peak_rss_mb"), **m}
             if r["engine"] == "tokenmill" and r.get("weight_bytes") and m.get("decode_tok_s"):
-                step = r.get("decode_weight_bytes", r["weight_bytes"]) + r["kv_bytes_per_token"] * (int(c) + output_len // 2)
+                step = decode_step_bytes(r, int(c) + output_len // 2)
                 line["decode_x_floor"] = round(bandwidth_gbps * 1e9 / step / m["decode_tok_s"], 2)
             elif r["engine"] != "tokenmill":
                 tm = _counterpart(by, r, like_for_like)

@@ -73,10 +73,12 @@ class LLMEngine:
         per_block = sum(bytes_per_block(i.num_layers, cc.block_size, i.num_kv_heads, i.head_dim,
                                         self.kv_dtype) for i in info)
         self.kv_bytes_per_token = per_block // cc.block_size
+        # each layer's attention window (None: full), for what a step reads of the cache
+        self.layer_windows = tuple(r0.layer_windows or (None,) * r0.num_layers)
         num_blocks = decide_num_blocks(cc.num_kv_blocks, cc.kv_cache_memory,
                                        cc.gpu_memory_utilization, per_block, self.device,
                                        self.weight_bytes)
-        self.kv_layout = self._kv_layout(r0.layer_windows or (None,) * r0.num_layers, num_blocks)
+        self.kv_layout = self._kv_layout(self.layer_windows, num_blocks)
         lookahead = self.executor.init_cache(self.kv_layout, cc.block_size)   # rank 0 speculates
         self.scheduler = Scheduler(config.scheduler, cc, self.kv_layout, self.max_model_len,
                                    num_lookahead_tokens=lookahead)

@@ -49,6 +49,7 @@ class TokenmillEngine:
                      # what a decode step streams (bf16 mode reads the tiles, not the float32 weights)
                      "decode_weight_bytes": engine.weight_bytes - unread,
                      "kv_bytes_per_token": engine.kv_bytes_per_token,
+                     "kv_layer_windows": list(engine.layer_windows),
                      "kv_cache_dtype": spec.get("kv_cache_dtype", "auto"),
                      "cpu_isa": spec.get("cpu_isa", "native"),
                      "kernel_flags": " ".join(native.build_flags()),
