@@ -42,11 +42,16 @@ INLINE const uint8_t *qg_i5_plane(const uint8_t *wb) {
     return wb + 256;
 }
 
-/* Software prefetch of block b of tile t (a tiled kind's block bytes), TM_QG_PREFETCH bytes
- * ahead in the thread's stream of tiles (built in where native.py's build_flags says so). */
+/* Bytes of one 32-value block of a tile of this kind (i4, i5, i8). */
+INLINE int64_t qg_block_bytes(int kind) {
+    return (kind & 7) == 1 ? 256 : (kind & 7) == QG_KIND_I5 ? QG_I5_BYTES : 512;
+}
+
+/* Software prefetch of block b of tile t, TM_QG_PREFETCH bytes ahead in the thread's
+ * stream of tiles (built in where native.py's build_flags says so). */
 INLINE void qg_prefetch_block(const uint8_t *qw, int64_t t, int64_t nb, int64_t b, int kind) {
 #ifdef TM_QG_PREFETCH
-    const int64_t bw = (kind & 7) == 1 ? 256 : (kind & 7) == QG_KIND_I5 ? QG_I5_BYTES : 512;
+    const int64_t bw = qg_block_bytes(kind);
     const char *ahead = (const char *)(qw + (t * nb + b) * bw) + TM_QG_PREFETCH;
     for (int64_t l = 0; l < bw; l += 64) _mm_prefetch(ahead + l, _MM_HINT_T0);
 #else
@@ -129,13 +134,13 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
             const int8_t *xb = xq + b * 32;
             qg_prefetch_block(qw, t, nb, b, kind);
             if (i4 || i5) {
-                const uint8_t *wb = qw + (t * nb + b) * (i5 ? QG_I5_BYTES : 256);
+                const uint8_t *wb = qw + (t * nb + b) * qg_block_bytes(kind);
+                const __m512i plane = i5 ? _mm512_loadu_si512(qg_i5_plane(wb)) : _mm512_setzero_si512();
                 for (int p = 0; p < 4; p++) {
                     __m512i raw = _mm512_loadu_si512(wb + 64 * p);
                     __m512i w0 = _mm512_and_si512(raw, low);
                     __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
                     if (i5) {   /* bit 2p / 2p + 1 of each plane byte: 16 more */
-                        const __m512i plane = _mm512_loadu_si512(qg_i5_plane(wb));
                         w0 = _mm512_mask_add_epi8(w0, _mm512_test_epi8_mask(plane, _mm512_set1_epi8((char)(1 << (2 * p)))),
                                                   w0, fifth);
                         w1 = _mm512_mask_add_epi8(w1, _mm512_test_epi8_mask(plane, _mm512_set1_epi8((char)(2 << (2 * p)))),
@@ -334,7 +339,7 @@ INLINE void qg_half_block(const int8_t *xq, const float *dx, const int32_t *qsum
     for (int m = 0; m < mb; m++)
         dot[m] = offset ? _mm256_set1_epi32(-offset * qsum[m * nb + b]) : _mm256_setzero_si256();
     if (i4 || i5) {
-        const uint8_t *block = qw + (t * nb + b) * (i5 ? QG_I5_BYTES : 256);
+        const uint8_t *block = qw + (t * nb + b) * qg_block_bytes(kind);
         __m256i pairs[QG_MT];   /* int16 pair sums not yet widened into dot */
         for (int m = 0; m < mb; m++) pairs[m] = _mm256_setzero_si256();
         __m256i plane = _mm256_setzero_si256(), plane4 = plane;
@@ -503,7 +508,7 @@ int tm_tiled_rows(const uint8_t *qw, int kind, int tile_mins, int64_t N, int64_t
         if (ids[r] < 0 || ids[r] >= N) return 1;
     const int k7 = kind & 7;
     const int64_t nb = K / 32, ngroups = K / G;
-    const int64_t bw = k7 == 1 ? 256 : k7 == QG_KIND_I5 ? QG_I5_BYTES : 512;
+    const int64_t bw = qg_block_bytes(kind);
     const int off5 = tile_mins ? 0 : 16;
     for (int64_t r = 0; r < n; r++) {
         const int64_t id = ids[r], t = id / QG_TILE, j = id % QG_TILE;
