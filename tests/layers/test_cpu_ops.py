@@ -456,6 +456,27 @@ def test_unquantized_linear_layer_uses_the_kernel_for_decode_rows(monkeypatch):
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("r,d", [(1, 1), (1, 15), (1, 576), (3, 49152), (2, 262147), (512, 576)])
+def test_nonfinite_rows_flags_what_isfinite_does(r, d):
+    """Every placement of a NaN / +inf / -inf (vector body, tail, both sides of a 16384-value
+    span, first and last value), huge finite values and signed zeros, one row and many
+    (large inputs are split over the threads)."""
+    g = torch.Generator().manual_seed(r * 7 + d)
+    x = torch.randn(r, d, generator=g) * 1e30
+    assert cpu_ops.nonfinite_rows(x) is None
+    spots = sorted({0, d - 1, d // 2, min(d - 1, 16383), min(d - 1, 16384), max(0, d - 9)})
+    for row in range(r):
+        if row % 3 == 1:
+            continue                                       # some rows stay finite
+        col = spots[row % len(spots)]
+        x[row, col] = (float("nan"), float("inf"), float("-inf"))[(row // 2) % 3]
+    x[-1, 0] = -0.0
+    want = (~torch.isfinite(x).all(dim=-1)).tolist()
+    got = cpu_ops.nonfinite_rows(x)
+    assert (got or [False] * r) == want
+    assert cpu_ops.nonfinite_rows(x[:1].contiguous()) == (want[:1] if want[0] else None)
+
+
 @pytest.mark.parametrize("v", [1, 7, 8, 13, 4096, 262147])
 def test_argmax_rows_answers_as_torch_argmax(v):
     """First maximum on ties, the first NaN where a row has one, -inf-only rows, signed zeros,

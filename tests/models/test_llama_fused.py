@@ -189,6 +189,39 @@ def test_stack_rows_stop_where_a_streaming_kernel_stops(model_dir, quantization,
                                   llm.engine.runner.backend) is None
 
 
+def test_plan_rescans_its_pins_only_after_an_assignment(tiny_llama_dir, monkeypatch):
+    """usable() skips the pin scan while no parameter, buffer or packed entry was assigned
+    anywhere since a scan found every pin held; each kind of assignment is still caught."""
+    model = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, quantization="int8").engine.model
+    plan = llama_fused.stack_plan(model)
+    assert plan.usable()
+    scans = []
+
+    class Counted(tuple):   # the pin columns, noting each time a scan unpacks them
+        def __iter__(self):
+            scans.append(1)
+            return super().__iter__()
+    monkeypatch.setattr(plan, "_pin_columns", Counted(plan._pin_columns))
+    assert plan.usable() and plan.usable() and scans == []   # nothing assigned: no scan
+    lin = model.model.layers[0].mlp.down_proj
+    old_packed = lin.packed
+    lin.packed = list(old_packed)          # a plain attribute: counted by Linear itself
+    assert not plan.usable() and not plan.usable() and len(scans) == 2
+    lin.packed = old_packed
+    assert plan.usable() and plan.usable() and len(scans) == 3
+    norm = model.model.layers[1].input_layernorm
+    old_weight = norm.weight
+    norm.weight = torch.nn.Parameter(old_weight.clone(), requires_grad=False)   # not a Linear
+    assert not plan.usable()
+    norm.weight = old_weight
+    rotary = model.model.layers[0].self_attn.rotary
+    old_cos = rotary.cos
+    rotary.cos = old_cos.clone()           # a buffer
+    assert not plan.usable()
+    rotary.cos = old_cos
+    assert plan.usable()
+
+
 def test_stacks_the_c_path_cannot_reproduce_are_not_planned(tmp_path, tiny_llama_dir):
     from tests.conftest import save_tiny_llama
     from tokenmill.layers.quant.methods import set_quant_activations

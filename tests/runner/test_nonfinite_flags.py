@@ -1,10 +1,12 @@
-"""Non-finite rows are found with one reduction; on a GPU the flags stay on the device until
-the step's results are read (no extra host sync). The deferred (tensor) form must flag the
-same requests as the CPU's immediate list."""
+"""Non-finite rows are found in one pass (the C kernel, or one total first); on a GPU the
+flags stay on the device until the step's results are read (no extra host sync). The
+deferred (tensor) form must flag the same requests as the CPU's immediate list."""
 from types import SimpleNamespace
 
+import pytest
 import torch
 
+from tokenmill.layers import cpu_ops
 from tokenmill.runner.model_runner import (_flag_nonfinite, _flags_list, _nonfinite_rows,
                                            _zero_nonfinite_rows)
 
@@ -37,13 +39,20 @@ def test_device_flags_flag_the_same_requests_as_a_list():
     assert _flags_list(None) is None
 
 
-def test_one_total_clears_a_finite_step_and_sends_the_rest_to_the_row_check():
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_only_nan_and_inf_values_flag_a_row(kernel, monkeypatch):
+    if not kernel:
+        monkeypatch.setattr(cpu_ops, "available", lambda: False)
+    elif not cpu_ops.available():
+        pytest.skip("no kernel library here")
     inf = float("inf")
     x = torch.zeros(3, 4)
-    x[0, 1], x[2, 3] = inf, -inf                        # total NaN: both rows found
+    x[0, 1], x[2, 3] = inf, -inf                        # the total is NaN: both rows found
     assert _nonfinite_rows(x) == [True, False, True]
     big = torch.zeros(2, 4)
     big[0, 0] = big[1, 0] = 3e38                        # the total overflows, no row does
     assert _nonfinite_rows(big) is None and _zero_nonfinite_rows(big)[1] is None
-    big[1, 1] = 3e38                                    # row 1's own sum overflows: flagged, as before
+    big[1, 1] = 3e38                                    # row 1's own sum overflows: its values are finite
+    assert _nonfinite_rows(big) is None
+    big[1, 2] = float("nan")
     assert _nonfinite_rows(big) == [False, True]

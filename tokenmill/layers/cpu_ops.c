@@ -11,6 +11,7 @@
  *                      take the blocked kernel of cpu_gemm.c (same bits per row)
  *   tm_linear_half     the same for 16-bit (fp16 / bf16) weights, widened in registers
  *   tm_argmax_rows     the greedy token of each logits row (torch.argmax's answer)
+ *   tm_nonfinite_rows  which rows hold a NaN or an infinity (the step's hidden states, logits)
  * Plain-PyTorch references live beside the callers (tokenmill/layers/cpu_ops.py) and the
  * tests compare the two.
  */
@@ -274,4 +275,53 @@ static int64_t argmax_row(const float *x, int64_t V) {
 void tm_argmax_rows(const float *x, int64_t R, int64_t V, int64_t *out, int nthreads) {
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (R > 1)
     for (int64_t r = 0; r < R; r++) out[r] = argmax_row(x + r * V, V);
+}
+
+/* ---- non-finite rows -------------------------------------------------------------------- */
+/* Does x[0 .. n) hold a NaN or an infinity? v - v is +0 for a finite v and NaN otherwise;
+ * OR-ing those bit patterns leaves a lane NaN once any of its values was not finite. */
+static int span_nonfinite(const float *x, int64_t n) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+        acc0 = _mm256_or_ps(acc0, _mm256_sub_ps(a, a));
+        acc1 = _mm256_or_ps(acc1, _mm256_sub_ps(b, b));
+    }
+    const __m256 acc = _mm256_or_ps(acc0, acc1);
+    int bad = _mm256_movemask_ps(_mm256_cmp_ps(acc, acc, _CMP_UNORD_Q)) != 0;
+    for (; i < n; i++) bad |= (x[i] - x[i]) != 0.0f || x[i] != x[i];
+    return bad;
+}
+
+/* flags[r] = 1 where row r of x [R, D] holds a NaN or an infinity, else 0; returns how many
+ * rows do. flags == NULL: only whether any value is not finite (1 or 0), the usual step's
+ * whole question. A decode step checks its hidden states and its logits with this: one pass
+ * over rows the head has just written, where two tensor ops and a read-back cost several
+ * times more. Large inputs (prefill chunks, a wide batch's logits) are split in spans over
+ * the threads, each span inside one row. */
+int64_t tm_nonfinite_rows(const float *x, int64_t R, int64_t D, uint8_t *flags, int nthreads) {
+    const int64_t span = 16384;   /* values per task */
+    const int64_t per_row = D > 0 ? (D + span - 1) / span : 0;
+    int any = 0;
+    if (flags)
+        for (int64_t r = 0; r < R; r++) flags[r] = 0;
+    #pragma omp parallel for schedule(static) num_threads(nthreads) if (R * D >= 4 * span)
+    for (int64_t task = 0; task < R * per_row; task++) {
+        const int64_t r = task / per_row, start = (task % per_row) * span;
+        const int64_t n = D - start < span ? D - start : span;
+        if (span_nonfinite(x + r * D + start, n)) {
+            if (flags) {
+                #pragma omp atomic write
+                flags[r] = 1;
+            } else {
+                #pragma omp atomic write
+                any = 1;
+            }
+        }
+    }
+    if (!flags) return any;
+    int64_t bad = 0;
+    for (int64_t r = 0; r < R; r++) bad += flags[r];
+    return bad;
 }

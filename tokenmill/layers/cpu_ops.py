@@ -9,6 +9,7 @@ runs its PyTorch code. Whether a model uses these at all is its own setting
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -62,6 +63,23 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     native.library().tm_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(),
                                     torch.get_num_threads())
     return out
+
+
+def nonfinite_rows(x: torch.Tensor) -> Optional[list[bool]]:
+    """Flags of the rows of x [R, D] (on the CPU) holding a NaN or an infinity, or None when
+    no row does: one pass of the C kernel where it applies; else one total clears the usual
+    step (a NaN / inf makes it non-finite) and a non-finite one is checked row by row."""
+    if available() and _ok(x) and x.dim() == 2 and x.is_contiguous():
+        lib, threads = native.library(), torch.get_num_threads()
+        if not lib.tm_nonfinite_rows(x.data_ptr(), x.shape[0], x.shape[1], None, threads):
+            return None   # the usual step: no flags to allocate
+        flags = torch.empty(x.shape[0], dtype=torch.uint8)
+        lib.tm_nonfinite_rows(x.data_ptr(), x.shape[0], x.shape[1], flags.data_ptr(), threads)
+        return flags.bool().tolist()
+    if x.numel() == 0 or math.isfinite(x.sum().item()):
+        return None
+    bad = ~torch.isfinite(x).reshape(x.shape[0], -1).all(dim=-1)
+    return bad.tolist() if bool(bad.any()) else None
 
 
 # -- small-M linear -----------------------------------------------------------------------

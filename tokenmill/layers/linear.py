@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from tokenmill.distributed.parallel_state import SINGLE, TPGroup, split_evenly
+from tokenmill.layers import weight_swaps
 from tokenmill.layers.quant.methods import LinearMethod, UnquantizedLinearMethod
 from tokenmill.layers.lazy import adoptable, materialize
 
@@ -34,6 +35,9 @@ from tokenmill.layers.lazy import adoptable, materialize
 def _check_shape(name: str, expected: torch.Size, got: torch.Size) -> None:
     if tuple(expected) != tuple(got):
         raise ValueError(f"tensor {name!r} has shape {tuple(got)}, expected {tuple(expected)}")
+
+
+_WEIGHT_ATTRIBUTES = frozenset({"packed", "prepacked"})   # what weight_swaps counts here
 
 
 class Linear(nn.Module):
@@ -75,6 +79,11 @@ class Linear(nn.Module):
         self.quant_param_names: list[str] = []
         self.packed = []
         self.set_quant_method(quant_method or UnquantizedLinearMethod())
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _WEIGHT_ATTRIBUTES:   # plain attributes: torch's registration hooks miss them
+            weight_swaps.bump()
+        super().__setattr__(name, value)
 
     def set_quant_method(self, method: LinearMethod) -> None:
         """Swap the weight strategy (before loading): drop the old parameters, create new ones."""

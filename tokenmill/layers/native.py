@@ -342,6 +342,7 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "tm_linear_half": ([p, i64, i64, p, i32, i64, p, p, i32], None),
         "tm_linear_bf16": ([p, i64, i64, p, i64, p, p, i32], i32),
         "tm_argmax_rows": ([p, i64, i64, p, i32], None),
+        "tm_nonfinite_rows": ([p, i64, i64, p, i32], i64),
         "tm_paged_attention": ([p, i64, i64, i64, p, p, p, p, i32, i64, i64, p, i64, i64, p,
                                 p, p, p, f32, i64, p, i32], i32),
         "tm_prefill_attention": ([p, i64, i64, i64, p, p, p, p, i32, i64, i64, p, i64, i64, p,

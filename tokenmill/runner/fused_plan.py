@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils import hooks as torch_hooks
 
-from tokenmill.layers import cpu_ops, prepacked
+from tokenmill.layers import cpu_ops, prepacked, weight_swaps
 from tokenmill.layers.activation import GeluTanhAndMul, SiluAndMul
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.layers.norm import GemmaRMSNorm, RMSNorm
@@ -232,6 +232,7 @@ class StackPlan:
         self.all_tiled = all(p.tiled is not None for p in parts)
         # the pins as columns (stores, names, objects), compared in one pass per step
         self._pin_columns = tuple(zip(*self.pins)) or ((), (), ())
+        self._pins_seen_at = -1   # weight_swaps.count() when a scan last found every pin held
 
     def _pin(self, store: dict, name: str) -> int:
         """The address of store[name], which usable() checks is still the module's."""
@@ -276,13 +277,18 @@ class StackPlan:
         return min([self.float_rows] + [m.kernel_max_rows for m in self.packed_methods])
 
     def usable(self) -> bool:
-        """Same weights as when planned and no hooks that eager mode would run."""
+        """Same weights as when planned and no hooks that eager mode would run. The pins
+        are scanned only when a weight may have been assigned since the last scan that found
+        them all held (layers/weight_swaps.py)."""
         from torch.nn.modules import module as torch_module
         if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
             return False
-        stores, names, pins = self._pin_columns
-        if any(map(operator.is_not, map(dict.get, stores, names), pins)):
-            return False
+        swaps = weight_swaps.count()
+        if swaps != self._pins_seen_at:
+            stores, names, pins = self._pin_columns
+            if any(map(operator.is_not, map(dict.get, stores, names), pins)):
+                return False
+            self._pins_seen_at = swaps
         return not self._has_hooks()
 
     def _has_hooks(self) -> bool:

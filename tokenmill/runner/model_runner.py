@@ -2,7 +2,6 @@
 SchedulerOutput into sampled tokens (forward -> logits -> sample)."""
 from __future__ import annotations
 
-import math
 
 import time
 from typing import Optional
@@ -328,32 +327,14 @@ class ModelRunner:
             out.prompt_logprobs[sl.req_id] = (sl.first_position + 1, entries)
 
 
-def _bad_row_mask(x: torch.Tensor) -> torch.Tensor:
-    """[R] bool: rows of x [R, D] holding NaN/inf (their sum is non-finite: one reduction)."""
-    return ~torch.isfinite(x.sum(dim=-1))
-
-
-def _all_finite_on_cpu(x: torch.Tensor) -> bool:
-    """True when x is on the CPU and holds no NaN/inf: a NaN/inf makes every sum over it
-    non-finite, so one total (two tensor ops) clears the usual step; a non-finite total
-    (those, or finite values whose sum overflows) goes to the per-row check."""
-    return x.device.type == "cpu" and math.isfinite(x.sum().item())
-
-
 def _nonfinite_rows(x: torch.Tensor):
-    """``_bad_row_mask`` as ``_read_now_on_cpu`` gives it."""
-    if _all_finite_on_cpu(x):
-        return None
-    return _read_now_on_cpu(_bad_row_mask(x))
-
-
-def _read_now_on_cpu(bad: torch.Tensor):
-    """Row flags [R] bool: on a CPU a list, or None when no row is bad, read at once (cheap
-    there); on a GPU the device tensor itself, read once the step's results are
-    (``_flags_list`` after the sampled tokens), so the check adds no host sync inside it."""
-    if bad.device.type != "cpu":
-        return bad
-    return bad.tolist() if bool(bad.any()) else None
+    """Rows of x [R, D] (the step's hidden states or logits) holding NaN/inf: on a CPU a list
+    of flags read at once, or None when no row does (cpu_ops.nonfinite_rows); on a GPU the
+    [R] bool device mask itself, read once the step's results are (``_flags_list`` after the
+    sampled tokens), so the check adds no host sync inside it."""
+    if x.device.type == "cpu":
+        return cpu_ops.nonfinite_rows(x)
+    return ~torch.isfinite(x).all(dim=-1)
 
 
 def _flags_list(bad) -> Optional[list[bool]]:
@@ -380,12 +361,10 @@ def _row_histories(drafts: list[int], parents: Optional[list[int]]):
 
 def _zero_nonfinite_rows(logits: torch.Tensor):
     """(logits with NaN/inf rows zeroed so sampling stays defined, ``_nonfinite_rows``)."""
-    if _all_finite_on_cpu(logits):
-        return logits, None
-    bad = _bad_row_mask(logits)
-    flags = _read_now_on_cpu(bad)
+    flags = _nonfinite_rows(logits)
     if flags is None:
         return logits, None
+    bad = torch.tensor(flags, device=logits.device) if isinstance(flags, list) else flags
     return torch.where(bad.unsqueeze(-1), torch.zeros_like(logits), logits), flags
 
 
