@@ -7,8 +7,8 @@ from tests.models.test_fused_architectures import _save_tiny
 from tests.models.test_tiny_architectures import assert_matches_hf
 from tokenmill import LLM, SamplingParams
 from tokenmill.kv.kv_cache_manager import KVCacheManager
-from tokenmill.kv.layout import (NULL_BLOCK, KVGroup, KVLayout, first_live_block, plan_kv_layout,
-                                 window_blocks_bound)
+from tokenmill.kv.layout import (NULL_BLOCK, KVGroup, KVLayout, first_live_block, kv_bytes_read,
+                                 plan_kv_layout, window_blocks_bound)
 from tokenmill.request import Request
 from tokenmill.sampling_params import SamplingParams as Params
 
@@ -153,6 +153,19 @@ def test_window_pools_give_the_same_bits(tiny_paths, name, backend):
     assert one_table.engine.kv_layout.groups == (KVGroup((0, 1, 2), None, 400),)
     assert out == ref
     assert hits == one_table.engine.scheduler.kv.prefix_stats.num_hits > 0
+
+
+def test_a_decode_step_reads_a_window_layers_kv_over_its_window_only(tiny_paths):
+    """What the benchmarks' memory floors count (bench compare, quant, gpu)."""
+    assert kv_bytes_read(1800, GEMMA_LIKE, 100) == 1800 * 100
+    assert kv_bytes_read(1800, GEMMA_LIKE, 8192) == 100 * (15 * 512 + 3 * 8192)
+    assert kv_bytes_read(1800, [], 4096) == 1800 * 4096   # no layers named: all full
+    engine = LLM(model=tiny_paths["gemma3"][1], skip_tokenizer_init=True, num_kv_blocks=64,
+                 block_size=4).engine
+    assert engine.layer_windows == (8, None, 8)
+    per_layer = engine.kv_bytes_per_token / 3
+    assert engine.kv_bytes_read(5) == int(3 * per_layer * 5)
+    assert engine.kv_bytes_read(100) == int(per_layer * (8 + 100 + 8))
 
 
 def test_window_pools_under_preemption_give_the_same_tokens(tiny_paths):

@@ -14,6 +14,7 @@ import random
 from typing import Optional
 
 from tokenmill.bench.workloads import random_ids
+from tokenmill.kv.layout import kv_bytes_read
 
 CONTEXT_COLUMNS = ("name", "context", "status", "prefill_tok_s", "decode_tok_s", "decode_x_floor",
                    "peak_rss_mb", "tokenmill_vs.decode", "tokenmill_vs.prefill", "tokenmill_vs.against")
@@ -24,9 +25,7 @@ def decode_step_bytes(row: dict, context: int) -> int:
     (``decode_weight_bytes`` where it streams fewer than it holds) and its K/V, a sliding-
     window layer's over its window only (``kv_layer_windows``; rows without it: every layer
     full). ``kv_bytes_per_token`` is every layer's, each layer the same share."""
-    windows = row.get("kv_layer_windows") or [None]
-    per_layer = row["kv_bytes_per_token"] / len(windows)
-    kv = sum(per_layer * (context if w is None else min(context, w)) for w in windows)
+    kv = kv_bytes_read(row["kv_bytes_per_token"], row.get("kv_layer_windows") or [None], context)
     return int(row.get("decode_weight_bytes", row["weight_bytes"]) + kv)
 
 

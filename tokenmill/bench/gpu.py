@@ -150,7 +150,7 @@ def latency(args, path: str, shape: str, precision: str, bandwidth: float) -> li
         engine = llm.engine
         a = engine.model.args
         ms = _decode_ms(llm, args.context_len, args.decode_tokens, engine.vocab_size)
-        kv_bytes = engine.kv_bytes_per_token * (args.context_len + args.decode_tokens // 2)
+        kv_bytes = engine.kv_bytes_read(args.context_len + args.decode_tokens // 2)
         floor_ms = (engine.weight_bytes + kv_bytes) / (bandwidth * 1e9) * 1e3
         rows.append({"section": "latency", "shape": shape, "precision": precision,
                      "cuda_graphs": not eager and engine.runner.graphs is not None,

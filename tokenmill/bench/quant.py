@@ -126,8 +126,9 @@ def run(args) -> int:
         for name, s in step.items():
             row, engine = result["schemes"][name], engines[name]
             row[f"decode_b{batch}_tok_s"] = round(batch / s, 1)
-            # weights once, plus every request's cached K/V at its context (~prompt_len)
-            floor_bytes = engine.weight_bytes + batch * args.prompt_len * engine.kv_bytes_per_token
+            # weights once, plus every request's cached K/V at its context (~prompt_len),
+            # a sliding-window layer's over its window
+            floor_bytes = engine.weight_bytes + batch * engine.kv_bytes_read(args.prompt_len)
             row[f"decode_b{batch}_x_floor"] = round(s / (floor_bytes / (bandwidth * 1e9)), 2)
             if base:
                 row[f"decode_b{batch}_x_fp32"] = round(base / s, 2)

@@ -17,7 +17,7 @@ from tokenmill.runner.executor import StepFailedError, make_executor
 from tokenmill.runner.worker import RankSpec
 from tokenmill.engine.stats import EngineStats, free_memory_bytes
 from tokenmill.kv.kv_cache_manager import PrefixCacheStats
-from tokenmill.kv.layout import KVLayout, plan_kv_layout
+from tokenmill.kv.layout import KVLayout, kv_bytes_read, plan_kv_layout
 from tokenmill.models.hub import resolve_model
 from tokenmill.models.registry import check_parallel_layout
 from tokenmill.models.loader import load_tokenizer, open_checkpoint
@@ -307,6 +307,11 @@ class LLMEngine:
         """Zero the MoE expert load counters (every rank's)."""
         self.executor.rank0_call("expert_load_reset")
         self._expert_load_cache = None
+
+    def kv_bytes_read(self, context: int) -> int:
+        """The K/V bytes one sequence's decode step reads at ``context`` tokens, a sliding-
+        window layer's over its window only (kv/layout.py kv_bytes_read)."""
+        return kv_bytes_read(self.kv_bytes_per_token, self.layer_windows, context)
 
     def get_memory_stats(self) -> dict:
         """Bytes unless named otherwise. ``model_weights``: the loaded model's parameters and

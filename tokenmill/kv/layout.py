@@ -50,6 +50,16 @@ class KVLayout:
         return {windows[layer]: g for g, group in enumerate(self.groups) for layer in group.layers}
 
 
+def kv_bytes_read(bytes_per_token: float, layer_windows: Sequence[Optional[int]], context: int) -> int:
+    """The K/V bytes one sequence's decode step reads at ``context`` tokens: each layer's
+    share of ``bytes_per_token`` (every layer's K + V, scales included; the layers alike)
+    over its window, or over the whole context where it has none. Benchmarks' memory floors
+    count a sliding-window model's cache this way (Gemma 3: 15 of 18 layers see 512 tokens)."""
+    windows = list(layer_windows) or [None]
+    per_layer = bytes_per_token / len(windows)
+    return int(sum(per_layer * (context if w is None else min(context, w)) for w in windows))
+
+
 def first_live_block(num_computed: int, window: Optional[int], block_size: int) -> int:
     """The first block a query at position ``num_computed`` (or later) can still see: it reads
     keys from num_computed - window + 1 on. Every block before it is dead for the window."""
