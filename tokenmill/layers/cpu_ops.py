@@ -78,7 +78,7 @@ def nonfinite_rows(x: torch.Tensor) -> Optional[list[bool]]:
         return flags.bool().tolist()
     if x.numel() == 0 or math.isfinite(x.sum().item()):
         return None
-    bad = ~torch.isfinite(x).reshape(x.shape[0], -1).all(dim=-1)
+    bad = ~torch.isfinite(x).all(dim=-1)
     return bad.tolist() if bool(bad.any()) else None
 
 

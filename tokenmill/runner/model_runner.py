@@ -2,7 +2,6 @@
 SchedulerOutput into sampled tokens (forward -> logits -> sample)."""
 from __future__ import annotations
 
-
 import time
 from typing import Optional
 
