@@ -1,18 +1,13 @@
 """A/B of two cpu_attention.c sources (OLD = file arg, NEW = working tree): one decode row,
 SmolLM2 shape (9 q heads, 3 KV heads, D 64) or Gemma3's (4, 1, 256), fp16 cache, shuffled
 blocks, at several contexts; outputs must be bit-equal. Interleaved rounds, 2 threads."""
-import ctypes, os, shutil, statistics, subprocess, sys, tempfile, time
+import statistics, sys, time
 import torch
-from tokenmill.layers import native
+from builds import library
 old_src, shape = sys.argv[1], sys.argv[2]
 hq, hkv, d = {"smol": (9, 3, 64), "gemma": (4, 1, 256)}[shape]
 torch.manual_seed(0); torch.set_num_threads(2)
-tmp = tempfile.mkdtemp()
-subprocess.run(f"cp -r {os.path.dirname(native.SOURCE)} {tmp}/layers", shell=True, check=True)
-shutil.copy(old_src, f"{tmp}/layers/cpu_attention.c")
-flags = native.build_flags()
-libs = {"old": native.declare(ctypes.CDLL(native.build_shared_library(f"{tmp}/layers/cpu_kernels.c", tmp + "/o", flags=flags))),
-        "new": native.declare(ctypes.CDLL(native.build_shared_library(native.SOURCE, tmp + "/n", flags=flags)))}
+libs = {"old": library({"cpu_attention.c": open(old_src).read()}), "new": library()}
 bs = 16
 for ctx in (256, 1024, 2048, 4096):
     nblk = ctx // bs + 1

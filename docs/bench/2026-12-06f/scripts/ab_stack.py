@@ -1,18 +1,13 @@
 """A/B of two kernel-library sources (OLD given as a file, NEW = working tree) on a decode-like
 sequence: 30 layers of SmolLM2 shapes (qkv 960x576, o 576x576, gate_up 3072x576, down 576x1536),
 Q4_1-like int4 tiles with fp16 scales / mins, distinct weights, 1 row, 2 threads. Interleaved."""
-import ctypes, os, statistics, sys, tempfile, time, shutil, subprocess
+import os, statistics, sys, time
 import torch
-from tokenmill.layers import native
+from builds import library
 from tokenmill.layers.quant import formats, qgemm
 old_src = sys.argv[1]; rows = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 torch.manual_seed(0); torch.set_num_threads(2)
-d = tempfile.mkdtemp()
-subprocess.run(f"cp -r {os.path.dirname(native.SOURCE)} {d}/layers", shell=True, check=True)
-shutil.copy(old_src, f"{d}/layers/quant/qgemm.c")
-flags = native.build_flags()
-libs = {"old": native.declare(ctypes.CDLL(native.build_shared_library(f"{d}/layers/cpu_kernels.c", d + "/o", flags=flags))),
-        "new": native.declare(ctypes.CDLL(native.build_shared_library(native.SOURCE, d + "/n", flags=flags)))}
+libs = {"old": library({"quant/qgemm.c": open(old_src).read()}), "new": library()}
 def mk(n, k):
     p = formats.quantize_int4(torch.randn(n, k) * 0.05, 32); p.scales = p.scales.half(); p.mins = p.mins.half()
     return qgemm.tile(p)

@@ -1,8 +1,9 @@
 """Decode attention phases by subtraction: full kernel, without the values pass, without the score
 dot products (SmolLM2 heads, fp16, sequential tables, 30 layers' caches, 2 threads)."""
-import ctypes, os, statistics, subprocess, tempfile, time
+import os, statistics, time
 import torch
 from tokenmill.layers import native
+from builds import library
 torch.manual_seed(0); torch.set_num_threads(2)
 hq, hkv, d, bs = 9, 3, 64, 16
 SOFTMAX = "    softmax_rows(scores, Hq, n, stats, stats + Hq);\n    memset(o, 0, sizeof(float) * (size_t)(Hq * D));\n"
@@ -15,12 +16,7 @@ variants = {"full": source,
             # every score 0, no dot products (the key walk and its prefetch stay)
             "no_dots": source.replace(DOTS, "        for (int64_t h = 0; h < Hq; h++) for (int r = 0; r < 4; r++) "
                                             "scores[h * n + j + r] = 0.0f;\n        if (n > 0) continue;\n" + DOTS, 1)}
-libs = {}
-for name, text in variants.items():
-    tmp = tempfile.mkdtemp()
-    subprocess.run(f"cp -r {os.path.dirname(native.SOURCE)} {tmp}/layers", shell=True, check=True)
-    open(f"{tmp}/layers/cpu_attention.c", "w").write(text)
-    libs[name] = native.declare(ctypes.CDLL(native.build_shared_library(f"{tmp}/layers/cpu_kernels.c", tmp + "/so", flags=native.build_flags())))
+libs = {name: library({"cpu_attention.c": text}) for name, text in variants.items()}
 for ctx in (2048, 4096):
     nblk = ctx // bs + 1; L = 30
     kc = [torch.randn(nblk + 8, bs, hkv, d).half() for _ in range(L)]
