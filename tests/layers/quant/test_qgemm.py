@@ -129,8 +129,8 @@ def test_tiled_kernel_is_exact_at_the_largest_products(kind, sign):
         p.qweight = torch.full((40, 256), 31 if p.mins is not None else 15, dtype=torch.int8)
     tiled = qgemm.tile(p)
     assert (tiled.kind & 7) == (kernels.KIND_I4 if kind == "i4-g32" else kernels.KIND_I5)
-    for rows in (1, 3, 9):   # one-pass tiles of one row, of several rows, then half passes
-        x = torch.full((rows, 256), 2.5 * sign)
+    for rows in (1, 3, 9, 16):   # one-pass tiles of one row, of several rows, half passes,
+        x = torch.full((rows, 256), 2.5 * sign)   # then passes over an unpacked tile (AVX2)
         ref = reference_linear(x, p, activations="q8")
         torch.testing.assert_close(qgemm.qgemm_q8(x, tiled), ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
 
@@ -154,6 +154,21 @@ def test_tiled_kernel_agrees_with_the_streaming_q8_kernel(kind):
     got = qgemm.qgemm_q8(x, tiled)
     torch.testing.assert_close(got, stream, rtol=1e-5, atol=1e-5 * stream.abs().max().item())
     assert torch.equal(qgemm.qgemm_q8(x[5:6].contiguous(), tiled), got[5:6])   # batch invariant
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["i5-g32", "i5m-g32", "i4-g32", "i4-g64", "i4-g128"])
+@pytest.mark.parametrize("rows", [12, 13, 16, 70])
+def test_many_rows_give_each_row_the_bits_it_gets_alone(kind, rows):
+    """From 13 rows on, the AVX2 build takes each int4 / int5 tile apart once and runs every
+    pass over those bytes; 12 rows and fewer take the nibbles apart in each pass, one row
+    streams the tile. Every row's output has the same bits either way."""
+    p = _packed(kind, 41, 1536, rows)   # 41 rows: a part-filled last tile
+    tiled = qgemm.tile(p)
+    x = torch.randn(rows, 1536, generator=torch.Generator().manual_seed(rows)) * 4
+    got = qgemm.qgemm_q8(x, tiled)
+    for r in range(rows):
+        assert torch.equal(qgemm.qgemm_q8(x[r:r + 1].contiguous(), tiled), got[r:r + 1]), r
 
 
 @needs_kernel

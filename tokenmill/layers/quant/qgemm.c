@@ -291,22 +291,37 @@ INLINE void qgemm_tile_g16(const int8_t *xq, const float *dx, const int32_t *qsu
  * added in int16, one vpmaddwd per widening instead of one per vpmaddubsw: |pair| <=
  * 2 * 15 * 127 (i4) or 2 * 31 * 127 (i5), so the eight of a block (i4) or four (i5) stay
  * below 2^15. The same exact integers as widening each one. */
-INLINE void qg_nibble_step(const uint8_t *block, int h, int p, int i5, __m256i plane4, __m256i plane,
-                           const int8_t *xb, int64_t K, const int mb, __m256i *pairs, __m256i *dot) {
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+/* The unsigned values of steps 2p (*w0) and 2p + 1 (*w1) of half h of an int4 / int5 tile
+ * block: four values of each of the half's 8 rows per 32-bit lane. */
+INLINE void qg_nibbles(const uint8_t *block, int h, int p, int i5, __m256i plane4, __m256i plane,
+                       __m256i *w0, __m256i *w1) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
     __m256i raw = _mm256_loadu_si256((const __m256i *)(block + 32 * h + 64 * p));
-    __m256i w0 = _mm256_and_si256(raw, low);
-    __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    *w0 = _mm256_and_si256(raw, low);
+    *w1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
     if (i5) {   /* registers 2p and 2p + 1 of this half's plane */
         const __m256i src = p < 2 ? plane4 : plane;
         if (p & 1) {
-            w0 = _mm256_or_si256(w0, qg_fifth(src, 2));
-            w1 = _mm256_or_si256(w1, qg_fifth(src, 3));
+            *w0 = _mm256_or_si256(*w0, qg_fifth(src, 2));
+            *w1 = _mm256_or_si256(*w1, qg_fifth(src, 3));
         } else {
-            w0 = _mm256_or_si256(w0, qg_fifth(src, 0));
-            w1 = _mm256_or_si256(w1, qg_fifth(src, 1));
+            *w0 = _mm256_or_si256(*w0, qg_fifth(src, 0));
+            *w1 = _mm256_or_si256(*w1, qg_fifth(src, 1));
         }
     }
+}
+
+/* The fifth-bit plane of half h of an int5 block, as it is and shifted left by 4 (qg_fifth). */
+INLINE void qg_planes(const uint8_t *block, int h, __m256i *plane4, __m256i *plane) {
+    *plane = _mm256_loadu_si256((const __m256i *)(qg_i5_plane(block) + 32 * h));
+    *plane4 = _mm256_slli_epi16(*plane, 4);
+}
+
+INLINE void qg_nibble_step(const uint8_t *block, int h, int p, int i5, __m256i plane4, __m256i plane,
+                           const int8_t *xb, int64_t K, const int mb, __m256i *pairs, __m256i *dot) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i w0, w1;
+    qg_nibbles(block, h, p, i5, plane4, plane, &w0, &w1);
     for (int m = 0; m < mb; m++) {
         const int8_t *xm = xb + m * K + 8 * p;
         const __m256i x0 = _mm256_set1_epi32(*(const int32_t *)xm);
@@ -343,10 +358,7 @@ INLINE void qg_half_block(const int8_t *xq, const float *dx, const int32_t *qsum
         __m256i pairs[QG_MT];   /* int16 pair sums not yet widened into dot */
         for (int m = 0; m < mb; m++) pairs[m] = _mm256_setzero_si256();
         __m256i plane = _mm256_setzero_si256(), plane4 = plane;
-        if (i5) {
-            plane = _mm256_loadu_si256((const __m256i *)(qg_i5_plane(block) + 32 * h));
-            plane4 = _mm256_slli_epi16(plane, 4);
-        }
+        if (i5) qg_planes(block, h, &plane4, &plane);
         if (mb == 1) {   /* fully unrolled: few registers live */
             for (int p = 0; p < 4; p++) qg_nibble_step(block, h, p, i5, plane4, plane, xb, K, mb, pairs, dot);
         } else if (i5) {   /* several rows: two steps at a time, so that the plane's
@@ -431,6 +443,84 @@ INLINE void qgemm_tile(const int8_t *xq, const float *dx, const float *xsum, con
     else
         qgemm_tile_as(xq, dx, xsum, qsum, mb, K, G, kind, qw, sc, mn, N, t, y, 0);
 }
+
+/* Several passes over an int4 / int5 tile (prefill chunks, batched decode): every pass
+ * above takes the nibbles (and fifth bits) apart again, a quarter of an int5 pass's
+ * instructions. Instead the tile is taken apart once into bytes, QG_UNPACKED_BYTES(K) of
+ * them: per block and half, its eight steps' registers of unsigned values, and every pass
+ * multiplies those. The same integer dots (exact, widened every four steps) and the same
+ * float operations in the same order: the same bits. */
+#define QG_UNPACKED_BYTES(K) ((K) * QG_TILE)
+
+INLINE void qg_unpack_tile(const uint8_t *qw, int64_t t, int64_t nb, int kind, uint8_t *u) {
+    const int i5 = (kind & 7) == QG_KIND_I5;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *block = qw + (t * nb + b) * qg_block_bytes(kind);
+        for (int h = 0; h < 2; h++) {
+            __m256i plane = _mm256_setzero_si256(), plane4 = plane, w0, w1;
+            if (i5) qg_planes(block, h, &plane4, &plane);
+            __m256i *out = (__m256i *)(u + (b * 2 + h) * 256);
+            for (int p = 0; p < 4; p++) {
+                qg_nibbles(block, h, p, i5, plane4, plane, &w0, &w1);
+                _mm256_store_si256(out + 2 * p, w0);
+                _mm256_store_si256(out + 2 * p + 1, w1);
+            }
+        }
+    }
+}
+
+/* qg_half_block on an unpacked tile u. */
+INLINE void qg_half_block_u(const int8_t *xq, const float *dx, const int32_t *qsum, const int mb,
+                            int64_t K, int64_t ngroups, int kind, int offset, const uint8_t *u,
+                            const float *sc, int64_t t, int64_t g, int64_t b, int h, __m256 *acc) {
+    const int64_t nb = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256 s_vec = qg_load8(sc, (t * ngroups + g) * QG_TILE + 8 * h, kind);
+    const int8_t *xb = xq + b * 32;
+    const __m256i *w = (const __m256i *)(u + (b * 2 + h) * 256);
+    __m256i dot[QG_MT], pairs[QG_MT];
+    for (int m = 0; m < mb; m++) {
+        dot[m] = offset ? _mm256_set1_epi32(-offset * qsum[m * nb + b]) : _mm256_setzero_si256();
+        pairs[m] = _mm256_setzero_si256();
+    }
+    /* |pair| <= 2 * 31 * 127: four steps' pairs stay below 2^15 */
+#pragma GCC unroll 1
+    for (int s0 = 0; s0 < 8; s0 += 4) {
+        for (int s = s0; s < s0 + 4; s++) {
+            const __m256i ws = _mm256_load_si256(w + s);
+            for (int m = 0; m < mb; m++)
+                pairs[m] = _mm256_add_epi16(pairs[m], _mm256_maddubs_epi16(
+                    ws, _mm256_set1_epi32(*(const int32_t *)(xb + m * K + 4 * s))));
+        }
+        for (int m = 0; m < mb; m++) {
+            dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(pairs[m], ones));
+            pairs[m] = _mm256_setzero_si256();
+        }
+    }
+    for (int m = 0; m < mb; m++)
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]),
+                                 _mm256_mul_ps(s_vec, _mm256_set1_ps(dx[m * nb + b])), acc[m]);
+}
+
+/* qgemm_tile_as's several-pass order (one half at a time) on an unpacked tile u. */
+INLINE void qgemm_tile_u(const int8_t *xq, const float *dx, const float *xsum, const int32_t *qsum,
+                         const int mb, int64_t K, int64_t G, int kind, const uint8_t *u,
+                         const float *sc, const float *mn, int64_t N, int64_t t, float *y) {
+    const int64_t per_g = G / 32, ngroups = K / G;
+    const int offset = qg_offset(kind, mn != NULL);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[QG_MT];
+        for (int m = 0; m < mb; m++) acc[m] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < ngroups; g++) {
+            for (int64_t b = g * per_g; b < (g + 1) * per_g; b++)
+                qg_half_block_u(xq, dx, qsum, mb, K, ngroups, kind, offset, u, sc, t, g, b, h, acc);
+            if (mn)
+                qg_half_mins(xsum, mb, ngroups, kind, mn, t, g, h, acc);
+        }
+        qg_store8(y, N, t * QG_TILE + 8 * h, mb, acc);
+    }
+}
+#define QG_UNPACK 1
 #endif
 
 /* kind 0 = i8, 1 = i4, QG_KIND_I5, | KIND_HALF for float16 sc / mn (tiled arrays as
@@ -459,8 +549,41 @@ int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *q
      * in L1 while every pass of QG_MT activation rows reads them. One pass: the tile
      * streams from memory as it is used (the AVX2 build's qgemm_tile takes both halves) */
     const int streamed = M <= QG_MT;
-    #pragma omp parallel for schedule(static) num_threads(nthreads)
+#ifdef QG_UNPACK
+    /* four passes or more over int4 / int5 tiles: each tile taken apart once
+     * (qg_unpack_tile). Measured on Zen 3 (real Gemma 3 and Q4_1 tiles): 1.05-1.25x at
+     * 13-512 rows; at 5-12 int4 lost up to 14 % (docs/bench/2026-12-06g) */
+    const int unpack = M > 3 * QG_MT && !g16 && ((kind & 7) == 1 || (kind & 7) == QG_KIND_I5);
+#endif
+    #pragma omp parallel num_threads(nthreads)
+    {
+#ifdef QG_UNPACK
+    uint8_t *u = unpack ? (uint8_t *)aligned_alloc(32, (size_t)QG_UNPACKED_BYTES(K)) : NULL;
+#endif
+    #pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
+#ifdef QG_UNPACK
+        if (u) {   /* (no buffer: the passes below take the tile apart as they go) */
+            qg_unpack_tile(qw, t, nb, kind, u);
+            for (int64_t m0 = 0; m0 < M; m0 += QG_MT) {
+                const int64_t mb = M - m0 < QG_MT ? M - m0 : QG_MT;
+                const int8_t *xm = xq + m0 * K;
+                const float *dm = dx + m0 * nb, *sm = mn ? xsum + m0 * ngroups : NULL;
+                const int32_t *qm = qsum ? qsum + m0 * qstride : NULL;
+                float *ym = y + m0 * N;
+                /* compile-time rows and kind per case, as below */
+#define QG_U(R, KIND) qgemm_tile_u(xm, dm, sm, qm, R, K, G, KIND, u, sc, mn, N, t, ym)
+#define QG_UK(R) switch (kind) { case 1: QG_U(R, 1); break; case QG_KIND_I5: QG_U(R, QG_KIND_I5); break; \
+                                 case KIND_HALF | QG_KIND_I5: QG_U(R, KIND_HALF | QG_KIND_I5); break; \
+                                 default: QG_U(R, KIND_HALF | 1); }
+                switch (mb) { case 1: QG_UK(1) break; case 2: QG_UK(2) break;
+                              case 3: QG_UK(3) break; default: QG_UK(QG_MT) }
+#undef QG_UK
+#undef QG_U
+            }
+            continue;
+        }
+#endif
         for (int64_t m0 = 0; m0 < M; m0 += QG_MT) {
             const int64_t mb = M - m0 < QG_MT ? M - m0 : QG_MT;
             const int8_t *xm = xq + m0 * K;
@@ -487,6 +610,10 @@ int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *q
 #undef QG_KIND
             }
         }
+    }
+#ifdef QG_UNPACK
+    free(u);
+#endif
     }
     free(qsum);
     q8_free(&in);
