@@ -110,12 +110,13 @@ def test_contexts_run_each_row_once_more_at_each_length(tiny_llama_dir, tmp_path
     rc = main(["bench", "compare", "--model", tiny_llama_dir, "--dataset", "random",
                "--peers", "transformers", "--num-prompts", "2", "--output-len", "4",
                "--max-input-len", "8", "--prefill-len", "12", "--repeats", "1",
-               "--contexts", "40,24", "--context-output-len", "5", "--kv-cache-dtype", "fp16",
+               "--contexts", "40,24,512", "--context-output-len", "5", "--kv-cache-dtype", "fp16",
                "--num-threads", "1", "--no-progress", "--json", str(out)])
     assert rc == 0
     result = json.loads(out.read_text())
     lines = {(line["name"], line["context"]): line for line in result["contexts"]}
-    assert set(lines) == {(n, c) for n in ("tokenmill fp32", "transformers fp32") for c in (24, 40)}
+    # 512 is the tiny model's whole context: its prompt leaves room for 5 tokens out (and 8 more)
+    assert set(lines) == {(n, c) for n in ("tokenmill fp32", "transformers fp32") for c in (24, 40, 499)}
     for line in lines.values():
         assert line["status"] == "ok" and line["decode_tok_s"] > 0 and line["prefill_tok_s"] > 0
         assert line["peak_rss_mb"] > 0
@@ -125,6 +126,16 @@ def test_contexts_run_each_row_once_more_at_each_length(tiny_llama_dir, tmp_path
     assert tm["kv_cache_dtype"] == "fp16" and tm["kv_bytes_per_token"] > 0
     assert tm["kv_layer_windows"] and all(w is None for w in tm["kv_layer_windows"])   # Llama: all full
     assert any("ctx 40, multiple of its floor" in g["goal"] for g in result["goals"])
+
+
+def test_contexts_past_the_models_length_take_the_longest_prompt_that_fits():
+    from tokenmill.bench import compare_contexts
+    assert compare_contexts.fit([512, 2048, 4096, 8192], 8192, 64) == [512, 2048, 4096, 8120]
+    assert compare_contexts.fit([8000, 8192, 9000], 8192, 64) == [8000, 8120]   # one prompt each
+    assert compare_contexts.fit([512, 8192], 32768, 64) == [512, 8192]
+    assert compare_contexts.fit([512, 8192], None, 64) == [512, 8192]
+    with pytest.raises(ValueError, match="leaves no prompt"):
+        compare_contexts.fit([512], 64, 64)
 
 
 def test_context_goals_pair_llamacpp_with_its_tokenmill_row():

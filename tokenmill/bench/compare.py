@@ -325,9 +325,16 @@ def run_row(item: dict, path: str, workload: dict, args) -> dict:
 def run_contexts(plan: list[dict], path: str, vocab: int, args) -> dict[str, dict]:
     """--contexts: each runnable row once more, one sequence at each context length (vLLM
     rows stay with the throughput workload: its batch-1 times come from whole offline runs)."""
-    contexts = compare_contexts.parse(args.contexts)
-    if not contexts:
+    asked = compare_contexts.parse(args.contexts)
+    if not asked:
         return {}
+    from tokenmill.models.loader import open_checkpoint
+    model_len = open_checkpoint(path).hf_config.get("max_position_embeddings")
+    contexts = compare_contexts.fit(asked, model_len, args.context_output_len)
+    if contexts != asked:
+        print(f"[contexts] {','.join(map(str, asked))} asked; the model holds {model_len} tokens, so "
+              f"with {args.context_output_len} decoded each the prompts are "
+              f"{','.join(map(str, contexts))}", file=sys.stderr, flush=True)
     workload = compare_contexts.workload(contexts, vocab, args.context_output_len, args.seed)
     runs = {}
     for item in plan:

@@ -44,12 +44,30 @@ def parse(text: str) -> list[int]:
     return sorted(set(values))
 
 
+# positions past a context run's prompt and output that its engines are asked to hold
+_MARGIN = 8
+
+
+def fit(contexts: list[int], model_len: Optional[int], output_len: int) -> list[int]:
+    """The prompt lengths to measure: each asked context, or, where its prompt and
+    ``output_len`` tokens would not fit in the model's context length, the longest prompt that
+    does (e.g. 8192 on an 8192-token model, 64 tokens out: 8120; the decode then ends at the
+    model's last position). ``model_len`` None: no limit known."""
+    if model_len is None:
+        return contexts
+    limit = model_len - output_len - _MARGIN
+    if limit < 1:
+        raise ValueError(f"--context-output-len {output_len} leaves no prompt in the model's "
+                         f"context length {model_len}")
+    return sorted({min(c, limit) for c in contexts})
+
+
 def workload(contexts: list[int], vocab: int, output_len: int, seed: int) -> dict:
     """The spec fields of a context run (prompts keyed by their length, as JSON keys are)."""
     rng = random.Random(seed + 1)
     return {"contexts": contexts, "context_prompts": {str(c): random_ids(rng, c, vocab) for c in contexts},
             "context_output_len": output_len, "max_num_seqs": 1,
-            "max_seq_len": max(contexts) + output_len + 8}
+            "max_seq_len": max(contexts) + output_len + _MARGIN}
 
 
 def attach(rows: list[dict], runs: dict[str, dict], bandwidth_gbps: float,
