@@ -286,11 +286,6 @@ INLINE void qgemm_tile_g16(const int8_t *xq, const float *dx, const int32_t *qsu
         qgemm_tile_g16_as(xq, dx, mb, K, kind, qw, sc, N, t, y, 0);
 }
 
-/* Step p (values 8p .. 8p + 7) of half h of an int4 / int5 tile block for mb rows into
- * pairs[m], widened into dot[m] every 4 (i4) or 2 (i5) steps. vpmaddubsw's int16 pair sums are
- * added in int16, one vpmaddwd per widening instead of one per vpmaddubsw: |pair| <=
- * 2 * 15 * 127 (i4) or 2 * 31 * 127 (i5), so the eight of a block (i4) or four (i5) stay
- * below 2^15. The same exact integers as widening each one. */
 /* The unsigned values of steps 2p (*w0) and 2p + 1 (*w1) of half h of an int4 / int5 tile
  * block: four values of each of the half's 8 rows per 32-bit lane. */
 INLINE void qg_nibbles(const uint8_t *block, int h, int p, int i5, __m256i plane4, __m256i plane,
@@ -317,6 +312,11 @@ INLINE void qg_planes(const uint8_t *block, int h, __m256i *plane4, __m256i *pla
     *plane4 = _mm256_slli_epi16(*plane, 4);
 }
 
+/* Step p (values 8p .. 8p + 7) of half h of an int4 / int5 tile block for mb rows into
+ * pairs[m], widened into dot[m] every 4 (i4) or 2 (i5) steps. vpmaddubsw's int16 pair sums are
+ * added in int16, one vpmaddwd per widening instead of one per vpmaddubsw: |pair| <=
+ * 2 * 15 * 127 (i4) or 2 * 31 * 127 (i5), so the eight of a block (i4) or four (i5) stay
+ * below 2^15. The same exact integers as widening each one. */
 INLINE void qg_nibble_step(const uint8_t *block, int h, int p, int i5, __m256i plane4, __m256i plane,
                            const int8_t *xb, int64_t K, const int mb, __m256i *pairs, __m256i *dot) {
     const __m256i ones = _mm256_set1_epi16(1);
