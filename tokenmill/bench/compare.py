@@ -115,7 +115,8 @@ def _sharegpt_prompts(path: str, args) -> list[list[int]]:
 
 def build_workload(path: str, args) -> dict:
     from tokenmill.models.loader import open_checkpoint
-    vocab = open_checkpoint(path).hf_config["vocab_size"]
+    hf_config = open_checkpoint(path).hf_config
+    vocab = hf_config["vocab_size"]
     rng = random.Random(args.seed)
     if args.dataset == "sharegpt":
         prompts = _sharegpt_prompts(path, args)
@@ -125,6 +126,7 @@ def build_workload(path: str, args) -> dict:
     longest = max(len(p) for p in prompts)
     return {"prompts": prompts, "decode_prompts": prompts[:max(1, args.repeats)],
             "prefill_prompts": prefill, "vocab_size": vocab,
+            "model_len": hf_config.get("max_position_embeddings"),
             "max_seq_len": max(longest + args.output_len, args.prefill_len + 1) + 8}
 
 
@@ -322,14 +324,13 @@ def run_row(item: dict, path: str, workload: dict, args) -> dict:
                 "status": f"error: {type(e).__name__}: {e}"}
 
 
-def run_contexts(plan: list[dict], path: str, vocab: int, args) -> dict[str, dict]:
+def run_contexts(plan: list[dict], path: str, vocab: int, model_len: Optional[int],
+                 args) -> dict[str, dict]:
     """--contexts: each runnable row once more, one sequence at each context length (vLLM
     rows stay with the throughput workload: its batch-1 times come from whole offline runs)."""
     asked = compare_contexts.parse(args.contexts)
     if not asked:
         return {}
-    from tokenmill.models.loader import open_checkpoint
-    model_len = open_checkpoint(path).hf_config.get("max_position_embeddings")
     contexts = compare_contexts.fit(asked, model_len, args.context_output_len)
     if contexts != asked:
         print(f"[contexts] {','.join(map(str, asked))} asked; the model holds {model_len} tokens, so "
@@ -382,7 +383,7 @@ def run(args) -> int:
     for r in range(args.rounds):
         rounds.append(_one_round(plan, path, workload, max_num_seqs, args, r))
     rows = merge_rounds(rounds)
-    context_runs = run_contexts(plan, path, workload["vocab_size"], args)
+    context_runs = run_contexts(plan, path, workload["vocab_size"], workload["model_len"], args)
     # floors take the faster reading (the slower one saw other work or a slower memory phase)
     bandwidth = max(bandwidth_before, measure_read_bandwidth_gbps())
     decode_context = sum(map(len, workload["decode_prompts"])) // len(workload["decode_prompts"])
