@@ -15,12 +15,22 @@
  *
  * A task is PF_ROWS query rows x the query heads of one KV head: its (row, head) pairs are
  * the lanes of the score vectors (q transposed once per task), so each key value is one
- * broadcast for every pair, and each value row chunk one load for every pair. */
+ * broadcast for every pair, and each value row chunk one load for every pair. A block's
+ * float16 / bfloat16 K and V rows are widened to float32 once (exactly) into the task's
+ * buffer: the broadcasts and loads then read floats, instead of widening each value again
+ * for every group of pairs. */
 #include <omp.h>
 
 #define PF_ROWS 16   /* query rows per task */
 #define PF_KB 16     /* keys per softmax block */
-#define PF_PV 3      /* score vectors (of PF_W pairs) per pass over a block's keys */
+/* score vectors (of PF_W pairs) per pass over a block's keys: 3 x 4 keys of accumulators, 4
+ * key broadcasts and a q vector fit AVX-512's 32 registers; AVX2's 16 take 2 (with 3 the
+ * pass spilled to the stack: Gemma 3's heads ran 1.8x slower) */
+#ifdef __AVX512F__
+#define PF_PV 3
+#else
+#define PF_PV 2
+#endif
 
 #ifdef __AVX512F__
 #define PF_W 16
@@ -40,7 +50,6 @@ static inline pf_vec pf_exp(pf_vec x) {   /* exp256 on each half: the same value
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)),
                                                _mm256_castps_pd(hi), 1));
 }
-static inline pf_vec pf_load_kv(const void *row, int64_t i, int dt) { return kv_load16(row, i, dt); }
 #else
 #define PF_W 8
 #define PF_DC 2
@@ -54,7 +63,6 @@ typedef __m256 pf_vec;
 #define pf_add _mm256_add_ps
 #define pf_sub _mm256_sub_ps
 static inline pf_vec pf_exp(pf_vec x) { return exp256(x); }
-static inline pf_vec pf_load_kv(const void *row, int64_t i, int dt) { return kv_load8(row, i, dt); }
 #endif
 
 /* The key (or value) row of KV head g at position pos through a request's block table. */
@@ -63,10 +71,17 @@ static inline const void *pf_row(const att_kv *c, const void *cache, const int64
     return kv_at(cache, ((table[pos / c->bs] * c->bs + pos % c->bs) * c->Hkv + g) * c->D, c->dt);
 }
 
+/* A cache row as float32: the row itself (float32 caches), else widened into dst (D values). */
+static inline const float *pf_widened(const att_kv *c, const void *row, float *dst) {
+    if (c->dt == KV_F32) return (const float *)row;
+    for (int64_t d = 0; d < c->D; d += 8) _mm256_storeu_ps(dst + d, kv_load8(row, d, c->dt));
+    return dst;
+}
+
 /* Per-task buffers (floats): qt [D][Pv], s [PF_KB + 3][Pv] (scores come four keys at a
  * time: up to 3 rows past the block), m, l, alpha [Pv], o [P][D], where Pv is P rounded up
- * to whole vectors. */
-typedef struct { float *qt, *s, *m, *l, *alpha, *o; int64_t Pv; } pf_state;
+ * to whole vectors; kf, vf [PF_KB][D]: the block's K and V rows widened to float32. */
+typedef struct { float *qt, *s, *m, *l, *alpha, *o, *kf, *vf; int64_t Pv; } pf_state;
 
 static inline int64_t pf_pairs_max(const att_kv *c) {
     const int64_t P = PF_ROWS * (c->Hq / c->Hkv);
@@ -74,21 +89,21 @@ static inline int64_t pf_pairs_max(const att_kv *c) {
 }
 
 static inline int64_t pf_buf_floats(const att_kv *c) {
-    return pf_pairs_max(c) * (c->D + (PF_KB + 3) + 3 + c->D);
+    return pf_pairs_max(c) * (c->D + (PF_KB + 3) + 3 + c->D) + 2 * PF_KB * c->D;
 }
 
 /* Scores of NV vectors of pairs (from pair v0 PF_W) against four keys (rows k[0..3]): s
  * rows j0 .. j0 + 3. */
 static inline __attribute__((always_inline)) void
-pf_scores4(const pf_state *st, const int NV, int64_t v0, const void *const k[4], int64_t j0,
-           int64_t D, float scale, int dt) {
+pf_scores4(const pf_state *st, const int NV, int64_t v0, const float *const k[4], int64_t j0,
+           int64_t D, float scale) {
     pf_vec acc[PF_PV][4];
     for (int v = 0; v < NV; v++)
         for (int r = 0; r < 4; r++) acc[v][r] = pf_set1(0.0f);
     const float *qt = st->qt + v0 * PF_W;
     for (int64_t d = 0; d < D; d++, qt += st->Pv) {
         pf_vec kd[4];
-        for (int r = 0; r < 4; r++) kd[r] = pf_set1(kv_load1(k[r], d, dt));
+        for (int r = 0; r < 4; r++) kd[r] = pf_set1(k[r][d]);
         for (int v = 0; v < NV; v++) {
             const pf_vec qv = pf_load(qt + v * PF_W);
             for (int r = 0; r < 4; r++) acc[v][r] = pf_fma(qv, kd[r], acc[v][r]);
@@ -101,16 +116,18 @@ pf_scores4(const pf_state *st, const int NV, int64_t v0, const void *const k[4],
 
 /* Every pair's scores against the block's keys [j0, j1) (offsets in the block; keys
  * past j1 - 1 within a group of four repeat it and are masked later). */
-static void pf_block_scores(const att_kv *c, pf_state *st, const void *const *krows, int64_t j0,
+static void pf_block_scores(const att_kv *c, pf_state *st, const float *const *krows, int64_t j0,
                             int64_t j1) {
     for (int64_t j = j0; j < j1; j += 4) {
-        const void *k[4];
+        const float *k[4];
         for (int r = 0; r < 4; r++) k[r] = krows[j + r < j1 ? j + r : j1 - 1];
         for (int64_t v0 = 0; v0 < st->Pv / PF_W; v0 += PF_PV) {
             const int64_t nv = st->Pv / PF_W - v0 < PF_PV ? st->Pv / PF_W - v0 : PF_PV;
-            if (nv == 1) pf_scores4(st, 1, v0, k, j, c->D, c->scale, c->dt);
-            else if (nv == 2) pf_scores4(st, 2, v0, k, j, c->D, c->scale, c->dt);
-            else pf_scores4(st, 3, v0, k, j, c->D, c->scale, c->dt);
+            if (nv == 1) pf_scores4(st, 1, v0, k, j, c->D, c->scale);
+            else if (nv == 2) pf_scores4(st, 2, v0, k, j, c->D, c->scale);
+#if PF_PV > 2
+            else pf_scores4(st, 3, v0, k, j, c->D, c->scale);
+#endif
         }
     }
 }
@@ -118,11 +135,11 @@ static void pf_block_scores(const att_kv *c, pf_state *st, const void *const *kr
 /* o (D values) = o * alpha, then one FMA per key j of [j0, j1) with weight s[j * Pv] (the
  * pair's column of the block's exps), from the value rows vrows. */
 static void pf_values_one(const att_kv *c, const pf_state *st, const float *s, float alpha,
-                          const void *const *vrows, int64_t j0, int64_t j1, float *o) {
+                          const float *const *vrows, int64_t j0, int64_t j1, float *o) {
     for (int64_t d = 0; d < c->D; d += PF_W) {
         pf_vec acc = pf_mul(pf_load(o + d), pf_set1(alpha));
         for (int64_t j = j0; j < j1; j++)
-            acc = pf_fma(pf_set1(s[j * st->Pv]), pf_load_kv(vrows[j], d, c->dt), acc);
+            acc = pf_fma(pf_set1(s[j * st->Pv]), pf_load(vrows[j] + d), acc);
         pf_store(o + d, acc);
     }
 }
@@ -131,7 +148,7 @@ static void pf_values_one(const att_kv *c, const pf_state *st, const float *s, f
  * each value chunk loaded once for the four, PF_DC chunks at a time (the broadcast weights
  * are loads too). */
 static inline __attribute__((always_inline)) void
-pf_values_four_as(const att_kv *c, const pf_state *st, int64_t t0, const void *const *vrows,
+pf_values_four_as(const att_kv *c, const pf_state *st, int64_t t0, const float *const *vrows,
                   int64_t d, const int DC) {
     pf_vec acc[4][PF_DC];
     for (int i = 0; i < 4; i++) {
@@ -140,7 +157,7 @@ pf_values_four_as(const att_kv *c, const pf_state *st, int64_t t0, const void *c
     }
     for (int64_t j = 0; j < PF_KB; j++) {
         pf_vec v[PF_DC];
-        for (int k = 0; k < DC; k++) v[k] = pf_load_kv(vrows[j], d + k * PF_W, c->dt);
+        for (int k = 0; k < DC; k++) v[k] = pf_load(vrows[j] + d + k * PF_W);
         for (int i = 0; i < 4; i++) {
             const pf_vec p = pf_set1(st->s[j * st->Pv + t0 + i]);
             for (int k = 0; k < DC; k++) acc[i][k] = pf_fma(p, v[k], acc[i][k]);
@@ -150,7 +167,7 @@ pf_values_four_as(const att_kv *c, const pf_state *st, int64_t t0, const void *c
         for (int k = 0; k < DC; k++) pf_store(st->o + (t0 + i) * c->D + d + k * PF_W, acc[i][k]);
 }
 
-static void pf_values_four(const att_kv *c, const pf_state *st, int64_t t0, const void *const *vrows) {
+static void pf_values_four(const att_kv *c, const pf_state *st, int64_t t0, const float *const *vrows) {
     int64_t d = 0;
     for (; d + PF_DC * PF_W <= c->D; d += PF_DC * PF_W) pf_values_four_as(c, st, t0, vrows, d, PF_DC);
     for (; d < c->D; d += PF_W) pf_values_four_as(c, st, t0, vrows, d, 1);
@@ -219,6 +236,8 @@ static void pf_task(const att_kv *c, const float *q, int64_t q_stride, int64_t r
     st.l = st.m + st.Pv;
     st.alpha = st.l + st.Pv;
     st.o = st.alpha + st.Pv;
+    st.kf = st.o + st.Pv * D;
+    st.vf = st.kf + PF_KB * D;
     float pos_lo[PF_ROWS * ATT_MAX_G + PF_W], pos_hi[PF_ROWS * ATT_MAX_G + PF_W];
     for (int64_t t = 0; t < st.Pv; t++) {
         const int64_t r = t / G, p = p0 + r;
@@ -232,12 +251,12 @@ static void pf_task(const att_kv *c, const float *q, int64_t q_stride, int64_t r
     memset(st.o, 0, sizeof(float) * (size_t)(P * D));
     const int64_t first = window_first(p0, window), last = p0 + nr - 1;
     const int64_t lo_max = window_first(last, window);   /* the last row's first key */
-    const void *krows[PF_KB], *vrows[PF_KB];
+    const float *krows[PF_KB], *vrows[PF_KB];
     for (int64_t b0 = first / PF_KB * PF_KB; b0 <= last; b0 += PF_KB) {
         const int64_t j0 = (b0 > first ? b0 : first) - b0, j1 = (b0 + PF_KB < last + 1 ? b0 + PF_KB : last + 1) - b0;
         for (int64_t j = j0; j < j1; j++) {
-            krows[j] = pf_row(c, c->k_cache, table, g, b0 + j);
-            vrows[j] = pf_row(c, c->v_cache, table, g, b0 + j);
+            krows[j] = pf_widened(c, pf_row(c, c->k_cache, table, g, b0 + j), st.kf + j * D);
+            vrows[j] = pf_widened(c, pf_row(c, c->v_cache, table, g, b0 + j), st.vf + j * D);
         }
         const int all_see_all = j0 == 0 && j1 == PF_KB && b0 >= lo_max && b0 + PF_KB - 1 <= p0;
         pf_block_scores(c, &st, krows, j0, j1);
