@@ -648,11 +648,12 @@ int tm_paged_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D, 
                        float *out, int nthreads) {
     const att_kv c = {k_cache, v_cache, k_scale, v_scale, dt, Hq, Hkv, D, bs, scale};
     const int64_t group = Hq / Hkv, S = row_parts(INT64_MAX, nthreads);
-    /* enough requests to keep every thread busy with whole requests: one task per request,
-     * all heads at once (sequential cache reads). int8 caches always take it: their per-head
-     * path (attend) rounds differently, and one request must not change numbers with the
-     * batch it is in */
-    const int all_heads = D % 32 == 0 && (B >= 2 * nthreads || dt == KV_I8);
+    /* enough requests to keep every thread busy with whole requests (or one thread): one
+     * task per request, all heads at once (sequential cache reads; on one thread the
+     * per-KV-head tasks read each key's row in Hkv strided passes, 3x slower for SmolLM2's
+     * heads). int8 caches always take it: their per-head path (attend) rounds differently,
+     * and one request must not change numbers with the batch it is in */
+    const int all_heads = D % 32 == 0 && (B >= 2 * nthreads || nthreads == 1 || dt == KV_I8);
     const int64_t G = all_heads ? Hq : (B * Hkv >= 2 * nthreads && group <= ATT_MAX_G) ? group : 1;
     const int64_t runs = Hq / G;   /* head runs per request */
     int64_t max_len = 1, T = 0;
