@@ -1,0 +1,28 @@
+/* cold harness: tm_paged_attention over L layers' caches in turn, one query row, fp16, nthreads */
+#include <stdio.h>
+#include KERNELS
+#include <time.h>
+static double now(){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
+int main(int argc, char **argv) {
+    int64_t Hq = atoi(argv[1]), Hkv = atoi(argv[2]), D = atoi(argv[3]), n = atoi(argv[4]);
+    int L = atoi(argv[5]), nt = atoi(argv[6]); const int64_t bs = 16;
+    int64_t nblk = n / bs + 1, slots = nblk * bs;
+    uint16_t **kc = malloc(L * sizeof(void*)), **vc = malloc(L * sizeof(void*));
+    for (int l = 0; l < L; l++) {
+        kc[l] = aligned_alloc(64, slots * Hkv * D * 2 + 64); vc[l] = aligned_alloc(64, slots * Hkv * D * 2 + 64);
+        for (int64_t i = 0; i < slots * Hkv * D; i++) { kc[l][i] = _cvtss_sh((float)((i * 7919) % 1000) / 1000.f - 0.5f, 0); vc[l][i] = _cvtss_sh((float)((i * 104729) % 1000) / 1000.f - 0.5f, 0); }
+    }
+    int64_t *table = malloc(nblk * 8); for (int64_t b = 0; b < nblk; b++) table[b] = (b * 7) % nblk;
+    float *q = malloc(Hq * D * 4), *o = malloc(Hq * D * 4);
+    for (int64_t i = 0; i < Hq * D; i++) q[i] = (float)(i % 13) / 13.f - 0.5f;
+    int64_t qs = 0, ql = 1, sl = n;
+    double best = 1e9;
+    int R = argc > 7 ? atoi(argv[7]) : 15; for (int r = 0; r < R; r++) {
+        double t = now();
+        for (int l = 0; l < L; l++)
+            tm_paged_attention(q, Hq * D, Hq, D, kc[l], vc[l], NULL, NULL, KV_F16, bs, Hkv, table, nblk, 1, &qs, &ql, &sl, NULL, 0.125f, 0, o, nt);
+        t = (now() - t) / L; if (t < best) best = t;
+    }
+    double s = 0; for (int64_t i = 0; i < Hq * D; i++) s += o[i];
+    printf("Hq %ld Hkv %ld D %ld n %ld L %d t%d: %.1f us/layer, %.2f ns/key, %.1f GB/s (check %.6g)\n", Hq, Hkv, D, n, L, nt, best * 1e6, best / n * 1e9, 2.0 * Hkv * D * 2 * n / best / 1e9, s);
+}
