@@ -71,10 +71,11 @@ static inline const void *pf_row(const att_kv *c, const void *cache, const int64
     return kv_at(cache, ((table[pos / c->bs] * c->bs + pos % c->bs) * c->Hkv + g) * c->D, c->dt);
 }
 
-/* A cache row as float32: the row itself (float32 caches), else widened into dst (D values). */
+/* A cache row as float32: the row itself (float32 caches), else widened into dst (D values)
+ * as the 16-bit GEMM widens its weight rows. */
 static inline const float *pf_widened(const att_kv *c, const void *row, float *dst) {
     if (c->dt == KV_F32) return (const float *)row;
-    for (int64_t d = 0; d < c->D; d += 8) _mm256_storeu_ps(dst + d, kv_load8(row, d, c->dt));
+    gemm_widen_rows(row, c->dt, 1, c->D, dst);
     return dst;
 }
 
