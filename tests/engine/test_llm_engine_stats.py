@@ -66,6 +66,12 @@ def test_memory_stats_keys_and_ranges(tiny_llama_dir):
     params = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
     assert idle["model_weights"] == module_bytes(llm.engine.model)
     assert idle["model_weights"] == llm.engine.weight_bytes >= params   # buffers (RoPE tables) too
+    # a decode step streams every float parameter but the embedding table (tied or not:
+    # this model's head has its own) and no RoPE table
+    model = llm.engine.model
+    embed = model.model.embed_tokens.weight
+    tied = model.lm_head.weight.data_ptr() == embed.data_ptr()
+    assert llm.engine.decode_read_bytes == params - (0 if tied else embed.numel() * embed.element_size())
     assert idle["free_memory"] > 0
     for key in ("kv_cache", "kv_capacity_tokens", "num_free_blocks", "num_total_blocks"):
         assert key in idle   # the older keys stay

@@ -193,18 +193,21 @@ def test_bf16_mode_takes_the_tiles_at_every_row_count():
 
 
 @needs_bf16
-def test_bf16_unread_bytes_counts_each_tiled_weight_once():
+def test_decode_read_bytes_counts_bf16_tiles_once():
     """A decode step in bf16 mode streams tiles (2 bytes a value) instead of the float32
-    weight: the bench's floor subtracts the difference, once for a weight two layers share,
-    nothing for a layer without tiles."""
+    weight: the floor's bytes take the tiles, once for a weight two layers share, and the
+    float32 weight of a layer without tiles."""
+    from tokenmill.engine.stats import decode_read_bytes
     tiled, shared, untiled = _layer(n=320), _layer(n=320, seed=1), _layer(n=300)
     model = torch.nn.ModuleList([tiled, shared, untiled])
     prepacked.prepack_linears(model, torch.bfloat16)
-    model.append(Linear(96, 320))
+    assert prepacked.bf16_tiles(untiled) is None
+    model.append(Linear(96, 320, bias=False))
     model[3].weight = shared.weight   # tied: the same tensor
     model[3].prepacked = shared.prepacked
-    assert prepacked.bf16_unread_bytes(model) == 2 * 320 * 96 * 2
-    assert prepacked.bf16_unread_bytes(_layer()) == 0
+    biases = (320 + 320 + 300) * 4
+    assert decode_read_bytes(model) == 2 * (320 * 96 * 2) + 300 * 96 * 4 + biases
+    assert decode_read_bytes(_layer()) == 300 * 96 * 4 + 300 * 4
 
 
 @needs_bf16

@@ -151,7 +151,7 @@ def latency(args, path: str, shape: str, precision: str, bandwidth: float) -> li
         a = engine.model.args
         ms = _decode_ms(llm, args.context_len, args.decode_tokens, engine.vocab_size)
         kv_bytes = engine.kv_bytes_read(args.context_len + args.decode_tokens // 2)
-        floor_ms = (engine.weight_bytes + kv_bytes) / (bandwidth * 1e9) * 1e3
+        floor_ms = (engine.decode_read_bytes + kv_bytes) / (bandwidth * 1e9) * 1e3
         rows.append({"section": "latency", "shape": shape, "precision": precision,
                      "cuda_graphs": not eager and engine.runner.graphs is not None,
                      "backend": engine.runner.backend.name, "context_len": args.context_len,

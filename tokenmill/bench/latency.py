@@ -80,7 +80,7 @@ def run(args) -> int:
                     bar.update()
             prefill_s = statistics.median(s[0] for s in samples)
             decode_s = statistics.median(s[1] for s in samples)
-            decode_floor = (engine.weight_bytes + kv_per_token * (n + args.decode_tokens // 2)) / (bandwidth * 1e9)
+            decode_floor = (engine.decode_read_bytes + kv_per_token * (n + args.decode_tokens // 2)) / (bandwidth * 1e9)
             prefill_floor = 2 * params * n / (gflops * 1e9)
             rows.append({"mode": mode, "context_len": n, "prefill_tok_s": round(n / prefill_s, 1),
                          "prefill_x_floor": round(prefill_s / prefill_floor, 2),
@@ -91,6 +91,7 @@ def run(args) -> int:
     bar.close()
     result = {"bench": "latency", "model": args.model, "bandwidth_gb_s": round(bandwidth, 1),
               "gemm_gflops": round(gflops, 1), "weight_bytes": engine.weight_bytes,
+              "decode_read_bytes": engine.decode_read_bytes,
               "first_calls_s": {m: round(v, 2) for m, v in first_calls.items()}}
     if args.torch_compile:
         result["compile_s"] = round(first_calls["torch.compile"] - first_calls["eager"], 1)

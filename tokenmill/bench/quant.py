@@ -116,7 +116,8 @@ def run(args) -> int:
               "bandwidth_gbps": round(bandwidth, 1), "schemes": {}}
     for name, engine in engines.items():
         result["schemes"][name] = {"weight_bytes": engine.weight_bytes,
-                                   "decode_floor_ms": round(engine.weight_bytes / bandwidth / 1e6, 2)}
+                                   "decode_read_bytes": engine.decode_read_bytes,
+                                   "decode_floor_ms": round(engine.decode_read_bytes / bandwidth / 1e6, 2)}
     batches = [int(b) for b in args.batch_sizes.split(",")]
     bar = progress(len(batches) + 1, "bench quant", args.progress)
     for batch in batches:
@@ -128,7 +129,7 @@ def run(args) -> int:
             row[f"decode_b{batch}_tok_s"] = round(batch / s, 1)
             # weights once, plus every request's cached K/V at its context (~prompt_len),
             # a sliding-window layer's over its window
-            floor_bytes = engine.weight_bytes + batch * engine.kv_bytes_read(args.prompt_len)
+            floor_bytes = engine.decode_read_bytes + batch * engine.kv_bytes_read(args.prompt_len)
             row[f"decode_b{batch}_x_floor"] = round(s / (floor_bytes / (bandwidth * 1e9)), 2)
             if base:
                 row[f"decode_b{batch}_x_fp32"] = round(base / s, 2)

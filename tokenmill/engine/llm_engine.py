@@ -69,6 +69,7 @@ class LLMEngine:
         r0 = info[0]
         self.vocab_size = r0.vocab_size
         self.weight_bytes = sum(i.weight_bytes for i in info)
+        self.decode_read_bytes = sum(i.decode_read_bytes for i in info)   # a decode floor's weights
         # The scheduler's blocks exist once per rank, each rank holding its own KV heads.
         per_block = sum(bytes_per_block(i.num_layers, cc.block_size, i.num_kv_heads, i.head_dim,
                                         self.kv_dtype) for i in info)

@@ -101,6 +101,41 @@ def module_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def decode_read_bytes(model: torch.nn.Module) -> int:
+    """Weight bytes one batch-1 decode step streams, the numerator of a decode floor: each
+    matmul's values as its kernel reads them (a packed weight's tiled copy where it has one,
+    a bf16-mode layer's tiles, else its parameters), norms and biases. Left out: what a step
+    reads one row of (an embedding table no matmul shares, RoPE tables) and the row-major
+    scales a packed weight keeps beside the tiles that hold them again. Every expert of an
+    MoE layer counts (at batch 1 a step reads only its routed ones: an upper bound)."""
+    from tokenmill.layers import prepacked
+    from tokenmill.layers.rotary import RotaryEmbedding
+    def key(t: torch.Tensor) -> tuple:   # a parameter and the tensor it wraps are one
+        return t.data_ptr(), t.numel(), t.dtype
+
+    tiles: dict[int, int] = {}     # id(tiled copy) -> bytes (a packed embedding shares its head's)
+    replaced: set[tuple] = set()   # tensors whose values the step reads from tiles instead
+    read: dict[tuple, torch.Tensor] = {}
+    for module in model.modules():
+        parts = getattr(module, "packed", None)
+        for part in parts if isinstance(parts, list) else ():
+            if part.tiled is not None:
+                tiles[id(part.tiled)] = part.tiled.nbytes()
+                replaced.update(key(t) for t in (part.qweight, part.scales, part.mins) if t is not None)
+        bf16 = prepacked.bf16_tiles(module)
+        if bf16 is not None:
+            tiles[id(bf16)] = bf16.nbytes
+            if getattr(module, "weight", None) is not None:
+                replaced.add(key(module.weight))
+        if isinstance(module, (torch.nn.Embedding, RotaryEmbedding)):
+            continue   # one row a step (a tied head holds the same table: counted through it)
+        for t in (*module._parameters.values(), *module._buffers.values()):
+            if t is not None:
+                read[key(t)] = t
+    return sum(t.numel() * t.element_size() for k, t in read.items() if k not in replaced) \
+        + sum(tiles.values())
+
+
 def free_memory_bytes(device: torch.device) -> int:
     """Free memory where the model runs: CUDA's free device memory, else the system's
     available memory (``MemAvailable``: free plus reclaimable page cache); 0 when unknown."""

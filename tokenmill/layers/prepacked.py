@@ -89,20 +89,6 @@ def dense_weight(layer: nn.Module) -> Optional[torch.Tensor]:
     return tiles.permute(0, 2, 1, 3).reshape(n_tiles * 16, half_k * 2).float()
 
 
-def bf16_unread_bytes(model: nn.Module) -> int:
-    """Weight bytes a bf16-mode decode step does not stream: each tiled linear that kept its
-    float32 weight (a tied head's, shared with the embedding) reads its tiles (2 bytes a
-    value) instead (a shared weight counted once). A tiles-only layer's weight bytes are its
-    tiles' (``tiles_only_bytes``): nothing unread."""
-    seen, unread = set(), 0
-    for module in model.modules():
-        tiles, weight = bf16_tiles(module), getattr(module, "weight", None)
-        if tiles is not None and weight is not None and weight.data_ptr() not in seen:
-            seen.add(weight.data_ptr())
-            unread += weight.numel() * 4 - tiles.numel() * 2
-    return unread
-
-
 def tiles_only_bytes(model: nn.Module) -> int:
     """Bytes of the bf16 tiles that hold the only copy of their layer's values: weight bytes
     that ``model.parameters()`` no longer shows."""

@@ -84,6 +84,7 @@ class RankInfo:
     #                               q8 copies that replaced packed values among them
     prepacked_bytes: int
     quantization_method: str
+    decode_read_bytes: int        # what a batch-1 decode step streams of them (stats.decode_read_bytes)
     layer_windows: tuple = ()     # each layer's attention window (None: full); () = all full
 
 
@@ -101,7 +102,7 @@ class RankWorker:
 
     def load(self, checkpoint=None) -> RankInfo:
         """Build this rank's shard (from ``checkpoint`` when the caller has it open)."""
-        from tokenmill.engine.stats import module_bytes
+        from tokenmill.engine.stats import decode_read_bytes, module_bytes
         from tokenmill.layers.quant.qgemm import tiled_only_bytes
         from tokenmill.layers import native, prepacked
         from tokenmill.layers.attention.base import resolve_backend_name
@@ -128,6 +129,7 @@ class RankWorker:
                         head_dim=a.head_dim, num_kv_heads=self.model.num_kv_heads,
                         weight_bytes=module_bytes(self.model) + tiled_only_bytes(self.model)
                         + prepacked.tiles_only_bytes(self.model),
+                        decode_read_bytes=decode_read_bytes(self.model),
                         prepacked_bytes=self.model.prepacked_bytes,
                         quantization_method=self.model.quantization_method,
                         layer_windows=tuple(getattr(a, "sliding_windows", ()) or ()))

@@ -199,9 +199,15 @@ def test_engine_tiles_q8_linears_and_fuses_them(tiny_llama_dir):
     # the tiles are the only copy: no qweight left, on the parts or as parameters
     assert all(p.qweight is None for p in parts)
     assert not [n for n, _ in model.named_parameters() if "qweight" in n]
-    # what a step reads (decode floors): the parameters and the tiles that replaced values
+    # what is held: the parameters and the tiles that replaced values
     from tokenmill.engine.stats import module_bytes
     assert q8.engine.weight_bytes == module_bytes(model) + sum(p.tiled.nbytes() for p in parts)
+    # what a decode step streams (decode floors): the tiles and the norms, not the scales the
+    # tiles hold again, the embedding table (a row a step) or the RoPE tables
+    norms = sum(t.numel() * 4 for n, t in model.named_parameters() if n.endswith("norm.weight"))
+    assert norms > 0
+    assert q8.engine.decode_read_bytes == sum(p.tiled.nbytes() for p in parts) + norms
+    assert q8.engine.decode_read_bytes < q8.engine.weight_bytes
     assert q8.get_memory_stats()["prepacked_weights"] >= sum(p.tiled.nbytes() for p in parts)
     plan = llama_fused.stack_plan(model)
     assert plan is not None

@@ -40,14 +40,13 @@ class TokenmillEngine:
                        enable_prefix_caching=False)
         engine = self.llm.engine
         import torch
-        from tokenmill.layers import native, prepacked
-        model = getattr(engine, "model", None)
-        unread = prepacked.bf16_unread_bytes(model) if model is not None else 0
+        from tokenmill.layers import native
         self.info = {"version": tokenmill.__version__, "threads": engine.num_threads,
                      "weights": spec["model_path"].rsplit("/", 1)[-1],
                      "weight_bytes": engine.weight_bytes,
-                     # what a decode step streams (bf16 mode reads the tiles, not the float32 weights)
-                     "decode_weight_bytes": engine.weight_bytes - unread,
+                     # what a decode step streams (tiles where a matmul reads tiles; no embedding
+                     # or RoPE tables, of which it reads a row): the floor's weights
+                     "decode_weight_bytes": engine.decode_read_bytes,
                      "kv_bytes_per_token": engine.kv_bytes_per_token,
                      "kv_layer_windows": list(engine.layer_windows),
                      "kv_cache_dtype": spec.get("kv_cache_dtype", "auto"),
