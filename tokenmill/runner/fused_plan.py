@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils import hooks as torch_hooks
 
 from tokenmill.layers import cpu_ops, prepacked, weight_swaps
+from tokenmill.layers.quant import methods
 from tokenmill.layers.activation import GeluTanhAndMul, SiluAndMul
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.layers.norm import GemmaRMSNorm, RMSNorm
@@ -221,6 +222,7 @@ class StackPlan:
         # parts whose values live only in their tiled copy: the C loop reads them at q8 steps only
         parts = [p for lins in layer_linears for _, _, pin in lins if isinstance(pin, list) for p in pin]
         self.tiled_only = any(p.qweight is None for p in parts)
+        self._activations_at = -1   # methods.activation_changes() when activations() last read them
         # bf16 mode's tiled copies are pinned too: they live in the module's prepacked entry
         self.pins += [(lin.__dict__, "prepacked", lin.__dict__["prepacked"])
                       for lins in layer_linears for lin, _, pin in lins
@@ -261,10 +263,15 @@ class StackPlan:
 
     def activations(self) -> Optional[str]:
         """"q8" / "fp32": what every packed linear takes now ("fp32" without packed
-        linears); None if they differ, or if the C loop would need values only tiled."""
-        modes = {m.activations for m in self.packed_methods}
-        mode = modes.pop() if len(modes) == 1 else ("fp32" if not modes else None)
-        return None if self.tiled_only and mode != "q8" else mode
+        linears); None if they differ, or if the C loop would need values only tiled.
+        Read again only after a method's mode was set (methods.activation_changes)."""
+        changes = methods.activation_changes()
+        if self._activations_at != changes:
+            modes = {m.activations for m in self.packed_methods}
+            mode = modes.pop() if len(modes) == 1 else ("fp32" if not modes else None)
+            self._activations = None if self.tiled_only and mode != "q8" else mode
+            self._activations_at = changes
+        return self._activations
 
     def max_rows(self, activations: str) -> int:
         """The most rows a step may have here: as many as the float kernel takes for every

@@ -133,14 +133,14 @@ def layer_cache_views(meta, windows: tuple) -> tuple[torch.Tensor, list]:
         slots, tables = m.slot_mapping.contiguous(), m.block_tables.contiguous()
         keep += [slots, tables]
         rows.append([slots.data_ptr(), tables.data_ptr(), tables.shape[1]])
-    return torch.tensor(rows, dtype=torch.int64)[layer_row], keep
+    return torch.tensor([rows[r] for r in layer_row], dtype=torch.int64), keep
 
 
 @functools.lru_cache(maxsize=8)
-def _window_rows(windows: tuple) -> tuple[tuple, torch.Tensor]:
-    """(the distinct windows, [L] int64: each layer's index among them), once per model."""
+def _window_rows(windows: tuple) -> tuple[tuple, tuple]:
+    """(the distinct windows, each layer's index among them), once per model."""
     distinct = tuple(dict.fromkeys(windows))
-    return distinct, torch.tensor([distinct.index(w) for w in windows], dtype=torch.int64)
+    return distinct, tuple(distinct.index(w) for w in windows)
 
 
 @functools.lru_cache(maxsize=8)

@@ -159,13 +159,31 @@ class HalfWeightMethod(LinearMethod):
         return F.linear(x, layer.weight.to(x.dtype), bias)
 
 
+_activation_changes = [0]   # how many times any packed method's activations were set
+
+
+def activation_changes() -> int:
+    """A counter that moves whenever a packed method's ``activations`` is set: what the fused
+    decode plan reads once per step instead of every method's mode."""
+    return _activation_changes[0]
+
+
 class PackedLinearMethod(LinearMethod):
     """Shared execution of packed weights; ``use_kernel=False`` forces the reference path.
     ``activations``: "fp32" / "q8" for this layer's kernel matmuls (set for a whole model
     by ``set_quant_activations``)."""
 
-    activations: str = "fp32"
+    _activations: str = "fp32"
     triton_kernels = False   # the Triton GEMM / FP8 tensor cores (CUDA backend; kernel_choice)
+
+    @property
+    def activations(self) -> str:
+        return self._activations
+
+    @activations.setter
+    def activations(self, mode: str) -> None:
+        self._activations = mode
+        _activation_changes[0] += 1
 
     def __init__(self, use_kernel: bool = True, kernel_max_rows: int = DEFAULT_KERNEL_MAX_ROWS):
         self.use_kernel = use_kernel
