@@ -523,47 +523,6 @@ INLINE void qgemm_tile_u(const int8_t *xq, const float *dx, const float *xsum, c
 #define QG_UNPACK 1
 #endif
 
-/* All M <= QG_MT rows in one pass over each tile (decode, short speculative runs; the tiles
- * stream from memory as they are used). The row count, kind and group size (16, 32, other)
- * are chosen before the parallel loop, so each case's loop is one compile-time instance of
- * qgemm_tile, group loop folded for G = 32. Chosen per tile inside the loop, SmolLM2's
- * decode matmuls (576-3072 x 576-1536) took 3-8 % longer (docs/bench/2026-12-07b). The
- * same calls with the same arguments: the same bits. */
-static void qg_one_pass(const int8_t *xq, const float *dx, const float *xsum, const int32_t *qsum,
-                        int64_t M, int64_t K, int64_t G, int kind, const uint8_t *qw,
-                        const float *sc, const float *mn, int64_t N, float *y, int nthreads) {
-    const int64_t tiles = (N + QG_TILE - 1) / QG_TILE;
-#define QG_LOOP(TILE_CALL)                                                      \
-    _Pragma("omp parallel for schedule(static) num_threads(nthreads)")          \
-    for (int64_t t = 0; t < tiles; t++) TILE_CALL;
-#define QG_ONE(R, KIND)                                                         \
-    if (G == 16) { QG_LOOP(qgemm_tile_g16(xq, dx, qsum, R, K, KIND, qw, sc, N, t, y, 1)) } \
-    else if (G == 32) { QG_LOOP(qgemm_tile(xq, dx, xsum, qsum, R, K, 32, KIND, qw, sc, mn, N, t, y, 1)) } \
-    else { QG_LOOP(qgemm_tile(xq, dx, xsum, qsum, R, K, G, KIND, qw, sc, mn, N, t, y, 1)) }
-#define QG_ROWS(R) switch (kind) { case 0: QG_ONE(R, 0) break; case 1: QG_ONE(R, 1) break; \
-                                   case KIND_HALF: QG_ONE(R, KIND_HALF) break;          \
-                                   case QG_KIND_I5: QG_ONE(R, QG_KIND_I5) break;        \
-                                   case KIND_HALF | QG_KIND_I5:                         \
-                                       QG_ONE(R, KIND_HALF | QG_KIND_I5) break;         \
-                                   default: QG_ONE(R, KIND_HALF | 1) }
-    switch (M) {
-        case 0: break;
-        case 1: QG_ROWS(1) break;
-        case 2: QG_ROWS(2) break;
-        case 3: QG_ROWS(3) break;
-#if QG_MT > 4
-        case 4: QG_ROWS(4) break;
-        case 5: QG_ROWS(5) break;
-        case 6: QG_ROWS(6) break;
-        case 7: QG_ROWS(7) break;
-#endif
-        default: QG_ROWS(QG_MT)
-    }
-#undef QG_ROWS
-#undef QG_ONE
-#undef QG_LOOP
-}
-
 /* kind 0 = i8, 1 = i4, QG_KIND_I5, | KIND_HALF for float16 sc / mn (tiled arrays as
  * above); G a multiple of 32 dividing K, or 16 (i8). Returns nonzero when a buffer could not be
  * allocated (y untouched). */
@@ -586,15 +545,10 @@ int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *q
             qsum[i] = v;
         }
     }
-    if (M <= QG_MT) {   /* one pass: the tile streams from memory as it is used (the AVX2
-                         * build's qgemm_tile takes both halves) */
-        qg_one_pass(xq, dx, xsum, qsum, M, K, G, kind, qw, sc, mn, N, y, nthreads);
-        free(qsum);
-        q8_free(&in);
-        return 0;
-    }
-    /* several passes, tiles outside, row passes inside: a tile's weights (K/2 or K bytes x
-     * 16 rows) stay in L1 while every pass of QG_MT activation rows reads them */
+    /* tiles outside, row passes inside: a tile's weights (K/2 or K bytes x 16 rows) stay
+     * in L1 while every pass of QG_MT activation rows reads them. One pass: the tile
+     * streams from memory as it is used (the AVX2 build's qgemm_tile takes both halves) */
+    const int streamed = M <= QG_MT;
 #ifdef QG_UNPACK
     /* four passes or more over int4 / int5 tiles: each tile taken apart once
      * (qg_unpack_tile). Measured on Zen 3 (real Gemma 3 and Q4_1 tiles): 1.05-1.25x at
@@ -637,8 +591,8 @@ int tm_qgemm_q8(const float *x, int64_t M, int64_t K, int kind, const uint8_t *q
             const int32_t *qm = qsum ? qsum + m0 * qstride : NULL;
             float *ym = y + m0 * N;
             switch (mb) {   /* compile-time rows and kind per case: the loops unroll */
-#define QG_KIND(R, KIND) (g16 ? qgemm_tile_g16(xm, dm, qm, R, K, KIND, qw, sc, N, t, ym, 0) \
-                                 : qgemm_tile(xm, dm, sm, qm, R, K, G, KIND, qw, sc, mn, N, t, ym, 0))
+#define QG_KIND(R, KIND) (g16 ? qgemm_tile_g16(xm, dm, qm, R, K, KIND, qw, sc, N, t, ym, streamed) \
+                                 : qgemm_tile(xm, dm, sm, qm, R, K, G, KIND, qw, sc, mn, N, t, ym, streamed))
 #define QG_CALL(R) switch (kind) { case 0: QG_KIND(R, 0); break; case 1: QG_KIND(R, 1); break; \
                                    case KIND_HALF: QG_KIND(R, KIND_HALF); break;            \
                                    case QG_KIND_I5: QG_KIND(R, QG_KIND_I5); break;          \
