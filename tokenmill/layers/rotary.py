@@ -134,11 +134,8 @@ class RotaryEmbedding(nn.Module):
         key = ("rope_in_range", id(self))
         ok = step_cache.get(key) if step_cache is not None else None
         if ok is None:
-            if positions.numel() == 0:
-                ok = True
-            else:   # one reduction for both ends (a step's Python runs with cold caches)
-                low, high = torch.aminmax(positions)
-                ok = int(low) >= 0 and int(high) < self.cos.shape[0]
+            ok = positions.numel() == 0 or (int(positions.min()) >= 0
+                                            and int(positions.max()) < self.cos.shape[0])
             if step_cache is not None:
                 step_cache[key] = ok
         return ok
