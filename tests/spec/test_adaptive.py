@@ -190,6 +190,18 @@ def test_a_steps_cost_includes_the_engine_time_until_the_next_step(tiny_llama_di
     assert all(arm.rate < 1 / 0.02 * 3 for arm in llm.engine.runner.spec.controller.arms.values())
 
 
+def test_a_costly_losing_arm_is_re_measured_by_its_regret():
+    """EAGLE drafting at batch 8: a k = 1 step costs ~1.9 plain steps and earns 1.3 tokens a
+    request, so each re-measurement loses ~0.6 of a step. After its first loss the arm waits
+    at least regret / EXPLORE_SHARE steps (~60), not 16, 32, ...: over 600 steps it runs at
+    most 6 times (warm-up 2, the first re-measurement, then ~1 per 60 / 120 / 240 steps;
+    doubling alone ran it 8 times)."""
+    for seed in range(4):
+        ratio, chosen = simulate(0.3, lambda b, k: 1.0 + 0.9 * k, 8, steps=600, k_max=3, seed=seed)
+        assert sum(n for k, n in chosen.items() if k) <= 6, chosen
+        assert ratio >= 0.99, (ratio, chosen)
+
+
 def test_one_spike_is_clipped_and_a_second_in_a_row_counts_whole():
     """A step far slower than its arm's estimate counts as SPIKE x the estimate (a collection,
     the OS); a second such step in a row is the arm's cost changing and counts whole, so an

@@ -17,11 +17,13 @@ their noise differs:
 A proposer with ``modes`` (prompt lookup with or without its drafter) doubles the arms: (mode,
 k), each mode with its own counts, k = 0 shared.
 The best arm is played; the others are re-measured now and then, with an interval that
-doubles each time an arm loses (so a bad k costs a vanishing share of steps, which is what
-keeps speculation within a few percent of no speculation when it does not pay). Intervals
-count the bucket's own steps: a bucket visited now and then (the tail of a batch, a lull)
-explores as rarely as one that runs all the time, instead of re-measuring a loser on every
-visit, at its first steps, whose costs are not the steady ones.
+doubles each time an arm loses and is at least the arm's measured regret (the best arm's steps
+one of its steps loses) over EXPLORE_SHARE: an arm that costs three plain steps for no gain
+(EAGLE drafting at batch 8) is looked at every ~200 steps, one that nearly ties as often as
+doubling allows. That is what keeps speculation within a few percent of no speculation when
+it does not pay. Intervals count the bucket's own steps: a bucket visited now and then (the
+tail of a batch, a lull) explores as rarely as one that runs all the time, instead of
+re-measuring a loser on every visit, at its first steps, whose costs are not the steady ones.
 """
 from __future__ import annotations
 
@@ -126,6 +128,7 @@ class AdaptiveK:
     # within a few steps; acceptance, the noisy half, keeps the last ~500 steps' requests
     TIME_DECAY = 0.8
     ACCEPT_DECAY = 1 - 1 / 512
+    EXPLORE_SHARE = 0.01   # a losing arm's re-measurements cost at most ~this share of steps
     SPIKE = 1.5     # a step's seconds count up to this multiple of its arm's estimate
 
     def __init__(self, k_max: int, modes: int = 1, warmup: int = 2, max_interval: int = 1024) -> None:
@@ -220,8 +223,23 @@ class AdaptiveK:
                 tokens = self._accept(bucket, other_key[0]).expected_tokens(other_key[1])
                 other.rate = tokens * other.rows / other.seconds
         if arm.count > self.warmup:
-            # A loser backs off (doubling), a winner is watched closely again.
-            arm.interval = 8 if key == self._best(bucket) else min(2 * arm.interval, self.max_interval)
+            # A loser backs off (doubling, and at least as far as keeps its measured regret
+            # under EXPLORE_SHARE of the bucket's steps), a winner is watched closely again.
+            best = self._arm(bucket, self._best(bucket))
+            if arm is best:
+                arm.interval = 8
+            else:
+                regret = self._regret_steps(arm, best)
+                arm.interval = min(max(2 * arm.interval, int(regret / self.EXPLORE_SHARE)), self.max_interval)
+
+    @staticmethod
+    def _regret_steps(arm: _Arm, best: _Arm) -> float:
+        """Steps of the best arm lost by playing ``arm`` once: its step's time less the time
+        the best arm takes for the same tokens, in units of the best arm's step."""
+        if arm.rows <= 0 or best.rows <= 0 or best.seconds <= 0 or best.rate <= 0:
+            return 0.0
+        relative_cost = (arm.seconds / arm.rows) / (best.seconds / best.rows)
+        return relative_cost * max(0.0, 1.0 - arm.rate / best.rate)
 
     def estimated_speedup(self) -> float:
         """Goodput of the best arm over no speculation, for the latest batch-size bucket."""
