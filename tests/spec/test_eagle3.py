@@ -429,7 +429,7 @@ class Streaks:
     def __init__(self, k: int, on: int = 2, off: int = 7) -> None:
         self.k, self.on, self.off, self.step = k, on, off, 0
 
-    def choose(self, batch_size: int, draining: bool = False) -> tuple[int, int]:
+    def choose(self, batch_size: int) -> tuple[int, int]:
         self.step += 1
         return (self.k if self.step % (self.on + self.off) < self.on else 0), 0
 

@@ -68,7 +68,7 @@ class _Modes:
     def __init__(self, k: int, every: int) -> None:
         self.k, self.every, self.step = k, every, 0
 
-    def choose(self, batch_size, draining=False):
+    def choose(self, batch_size):
         self.step += 1
         return self.k, 0 if self.step % self.every == 0 else 1
 

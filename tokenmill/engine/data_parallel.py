@@ -14,7 +14,6 @@ and ``shutdown()`` still stops every replica, so nothing hangs or leaks.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import itertools
 import queue
@@ -240,12 +239,6 @@ class DataParallelEngine:
             return
         self._loads[req.replica] -= 1
         self._replicas.send(req.replica, serial.encode(["abort", request_id]))
-
-    def closed_batch(self) -> contextlib.AbstractContextManager:
-        """LLMEngine.closed_batch's place: a no-op. Replicas step on their own, each sees
-        only its share of the batch, so none of them drains it (speculation keeps its
-        per-step choice)."""
-        return contextlib.nullcontext()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._inflight)

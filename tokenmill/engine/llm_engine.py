@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from contextlib import contextmanager
-from typing import Iterator, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -211,17 +210,6 @@ class LLMEngine:
                 self._on_finished(req)
         self.output_processor.drop(request_id)
         self._release_if_idle()
-
-    @contextmanager
-    def closed_batch(self) -> Iterator[None]:
-        """No request arrives while this lasts (LLM.generate's call): once none waits, the
-        batch drains (SchedulerOutput.draining), and adaptive speculation drafts only for the
-        requests whose end is the batch's end."""
-        self.scheduler.arrivals_closed = True
-        try:
-            yield
-        finally:
-            self.scheduler.arrivals_closed = False
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

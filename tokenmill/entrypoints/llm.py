@@ -181,13 +181,12 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
         try:
-            with self.engine.closed_batch():
-                while pending and self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        if out.finished and out.request_id in pending:
-                            pending.discard(out.request_id)
-                            finished[out.request_id] = out
-                            bar.update(1)
+            while pending and self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        finished[out.request_id] = out
+                        bar.update(1)
         finally:
             bar.close()
             for request_id in pending:

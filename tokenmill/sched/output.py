@@ -59,9 +59,6 @@ class SchedulerOutput:
     # absent: a chain
     scheduled_spec_parents: dict[str, list[int]] = field(default_factory=dict)
     grammar_bitmask: GrammarBitmask | None = None
-    # a closed batch is draining: no request waits and none can arrive until the running
-    # ones finish (Scheduler.arrivals_closed: LLM.generate), so their last one ends the call
-    draining: bool = False
 
     @property
     def is_empty(self) -> bool:

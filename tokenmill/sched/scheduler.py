@@ -36,8 +36,6 @@ class Scheduler:
         self.kv = KVCacheManager(kv_layout, cache_config.block_size,
                                  cache_config.enable_prefix_caching)
         self.waiting = RequestQueue(sched_config.policy)
-        # set while no request can arrive (LLM.generate's call: LLMEngine.closed_batch)
-        self.arrivals_closed = False
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._known_to_runner: set[str] = set()
@@ -148,8 +146,7 @@ class Scheduler:
             finished_req_ids=self._finished_ids,
             preempted_req_ids=preempted | self._unsent_preempted,
             scheduled_spec_token_ids=spec, scheduled_spec_parents=trees or {},
-            grammar_bitmask=grammar_bitmask(self.requests, num_scheduled, spec),
-            draining=self.arrivals_closed and not self.waiting)
+            grammar_bitmask=grammar_bitmask(self.requests, num_scheduled, spec))
         self._finished_ids, self._unsent_preempted = set(), set()
         return out
 

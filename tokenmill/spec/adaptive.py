@@ -39,13 +39,6 @@ def bucket_of(batch_size: int) -> int:
     return b
 
 
-def _bucket(batch_size: int, draining: bool) -> int:
-    """A draining batch's steps have arms of their own (negative buckets). At one request
-    both value the same thing, its tokens a second: one bucket."""
-    b = bucket_of(batch_size)
-    return -b if draining and b > 1 else b
-
-
 @dataclass
 class _Arm:
     seconds: float = 0.0       # decayed sum of its steps' seconds
@@ -116,12 +109,11 @@ class FixedK:
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def choose(self, batch_size: int, draining: bool = False) -> tuple[int, int]:
+    def choose(self, batch_size: int) -> tuple[int, int]:
         return self.k, 0
 
     def record(self, batch_size: int, k: int, seconds: float,
-               verdicts: Sequence[tuple[int, int]] = (), mode: int = 0,
-               draining: bool = False) -> None:
+               verdicts: Sequence[tuple[int, int]] = (), mode: int = 0) -> None:
         pass
 
     def estimated_speedup(self) -> float:
@@ -184,9 +176,9 @@ class AdaptiveK:
                     out.append((mode, self.arms_k[-1]))
         return out
 
-    def choose(self, batch_size: int, draining: bool = False) -> tuple[int, int]:
-        """(k, mode) for the next step; ``draining``: see ``record``."""
-        bucket = self._last_bucket = _bucket(batch_size, draining)
+    def choose(self, batch_size: int) -> tuple[int, int]:
+        """(k, mode) for the next step."""
+        bucket = self._last_bucket = bucket_of(batch_size)
         step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
         eligible = self._eligible(bucket)
         for key in eligible:                        # measure eligible arms a few times first
@@ -201,30 +193,26 @@ class AdaptiveK:
         return best[1], best[0]
 
     def record(self, batch_size: int, k: int, seconds: float,
-               verdicts: Sequence[tuple[int, int]] = (), mode: int = 0,
-               draining: bool = False) -> None:
+               verdicts: Sequence[tuple[int, int]] = (), mode: int = 0) -> None:
         """One step of arm (mode, k): ``batch_size`` requests in ``seconds`` (drafting
         included); ``verdicts``: (drafts verified, drafts accepted) of each request of a k > 0
-        step. ``draining``: a closed batch's last stretch, where only the requests with the
-        most tokens left (its end) were drafted for and ``verdicts`` are theirs. Its arms
-        are apart and value how fast the end comes: one request's tokens a step."""
+        step."""
         if seconds <= 0 or k not in self.arms_k or batch_size <= 0 or not 0 <= mode < self.modes:
             return
         key = (mode if k else 0, k)
-        bucket = _bucket(batch_size, draining)
-        rows = 1 if draining else batch_size
+        bucket = bucket_of(batch_size)
         arm = self._arm(bucket, key)
         if arm.count >= self.warmup and arm.rows > 0:
             # a spike (a collection, the drafter writing 256 queued rows, the OS) is not what
             # this arm costs: left whole it would sink the arm until its next re-measurement,
             # which may be a thousand steps away. A second one in a row is the arm's cost
             # changing (load, longer contexts, cheap warmup steps): that one counts whole
-            cap = self.SPIKE * rows * arm.seconds / arm.rows
+            cap = self.SPIKE * batch_size * arm.seconds / arm.rows
             arm.clipped = seconds > cap and not arm.clipped
             if arm.clipped:
                 seconds = cap
         arm.seconds = self.TIME_DECAY * arm.seconds + seconds
-        arm.rows = self.TIME_DECAY * arm.rows + rows
+        arm.rows = self.TIME_DECAY * arm.rows + batch_size
         arm.count += 1
         arm.last_step = self.steps.get(bucket, 0)
         if k > 0 and verdicts:

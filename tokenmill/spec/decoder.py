@@ -47,9 +47,8 @@ class SpecDecoder:
         self.controller = AdaptiveK(self.k_max, modes) if config.adaptive else FixedK(self.k_max)
         self.stats = SpecDecodingStats(self.k_max)
         self.plain_cost = PlainStepCost()
-        # (batch size, k, proposer mode, draft seconds, ids of the requests drafted for, in a
-        # draining batch each request's tokens left (_tokens_left), else None)
-        self._pending: Optional[tuple] = None
+        # (batch size, k, proposer mode, draft seconds, ids of the requests drafted for)
+        self._pending: Optional[tuple[int, int, int, float, frozenset]] = None
         # the last decode-only step, its timing not recorded yet (_StepTiming), and when the
         # runner left it (after drafting for the next one)
         self._unrecorded: Optional[_StepTiming] = None
@@ -81,7 +80,7 @@ class SpecDecoder:
         self._record_timing(t_start, inp.req_ids)
         self._measure(so, inp, out, time.perf_counter() - t_start)
         try:
-            drafts = self._draft_next(runner, inp, hidden, out, features, so.draining)
+            drafts = self._draft_next(runner, inp, hidden, out, features)
         finally:
             self._step_end = time.perf_counter()
         trees = {r: d for r, d in drafts.items() if isinstance(d, DraftTree)}
@@ -90,19 +89,14 @@ class SpecDecoder:
         return drafts, {r: tree.parents for r, tree in trees.items()}
 
     def _draft_next(self, runner, inp, hidden: torch.Tensor, out,
-                    features: Optional[StepFeatures], draining: bool) -> dict:
-        """Chooses k for the next step and asks the proposer for the drafts. In a draining
-        batch, adaptive k drafts only for the requests with the most tokens left, the ones
-        it ends with: tokens others gain early do not bring the end closer, and their rows
-        cost every step."""
+                    features: Optional[StepFeatures]) -> dict:
+        """Chooses k for the next step and asks the proposer for the drafts."""
         index = {req_id: i for i, req_id in enumerate(inp.req_ids)}
         rows = [b for b, r in enumerate(inp.sample_req_ids)
                 if r not in out.errors and out.sampled_token_ids[index[r]]]
         if features is not None:
             self._drafted |= set(features.req_ids)
-        left = self._tokens_left(runner, [inp.sample_req_ids[b] for b in rows]) \
-            if draining and self.config.adaptive and rows else None
-        k, mode = self.controller.choose(len(rows), left is not None) if rows else (0, 0)
+        k, mode = self.controller.choose(len(rows)) if rows else (0, 0)
         if k > 0 and self.plain_cost.wants_sample(len(rows)):
             k = 0       # a plain step now and then measures c(B) (for the estimated speedup)
         proposer_mode, chain_only = divmod(mode, self.tree_modes)
@@ -113,13 +107,12 @@ class SpecDecoder:
             if k and self.widths and not chain_only:
                 self.stats.tree_steps += 1
         if k == 0:
-            self._pending = (len(rows), 0, 0, 0.0, frozenset(), left) if rows else None
+            self._pending = (len(rows), 0, 0, 0.0, frozenset()) if rows else None
             if features is not None:   # no drafts, but the proposer's context must follow
                 self._timed_propose(DraftInput([], [], None, features))
             return {}
         states = [runner.states[inp.sample_req_ids[b]] for b in rows]
-        most = max(left.values()) if left else 0
-        caps = [self._cap(s, k) if left is None or left[s.req_id] == most else 0 for s in states]
+        caps = [self._cap(s, k) for s in states]
         drafts, seconds = self._timed_propose(DraftInput(states, caps, hidden[rows], features,
                                                          mode=proposer_mode,
                                                          widths=() if chain_only else self.widths))
@@ -127,7 +120,7 @@ class SpecDecoder:
         self._drafted |= ids
         for req_id in ids:
             self.stats.request(req_id).draft_time += seconds
-        self._pending = (len(rows), k, mode, seconds, ids, left)
+        self._pending = (len(rows), k, mode, seconds, ids)
         return {s.req_id: d for s, d in zip(states, drafts) if d}
 
     def _timed_propose(self, draft_input: DraftInput) -> tuple[list[list[int]], float]:
@@ -146,18 +139,6 @@ class SpecDecoder:
         self.stats = SpecDecodingStats(self.k_max)
         if hasattr(self.proposer, "reset_counts"):
             self.proposer.reset_counts()
-
-    def _tokens_left(self, runner, req_ids: list[str]) -> dict:
-        """req_id -> tokens it may still emit (max_tokens, max_model_len): a draining batch
-        ends with the requests that have the most."""
-        left = {}
-        for req_id in req_ids:
-            state = runner.states[req_id]
-            budget = self.max_model_len - state.num_tokens
-            if state.params.max_tokens is not None:
-                budget = min(budget, state.params.max_tokens - len(state.output_token_ids))
-            left[req_id] = budget
-        return left
 
     def _cap(self, state, k: int) -> int:
         """Drafts a request can take: none past max_model_len, and a lookahead drafter must
@@ -204,17 +185,13 @@ class SpecDecoder:
             self.plain_cost.record(batch_size, seconds)
         if step.pending is None:
             return
-        batch, k, mode, draft_seconds, drafted, left = step.pending
+        batch, k, mode, draft_seconds, drafted = step.pending
         self._estimate(step, seconds, draft_seconds, drafted)
-        if left is None:
-            # Every request of a step that chose k, drafts or not: prompt lookup finding
-            # nothing is part of what choosing k yields (the controller counts how often
-            # drafts come).
-            verdicts = [(step.drafts.get(r, 0), step.tokens[r] - 1)
-                        for r in step.sample_req_ids if step.tokens.get(r)]
-        else:
-            verdicts = [_path_verdict(left, step.tokens, step.drafts)]
-        self.controller.record(batch, k, seconds + draft_seconds, verdicts, mode, left is not None)
+        # Every request of a step that chose k, drafts or not: prompt lookup finding nothing
+        # is part of what choosing k yields (the controller counts how often drafts come).
+        verdicts = [(step.drafts.get(r, 0), step.tokens[r] - 1)
+                    for r in step.sample_req_ids if step.tokens.get(r)]
+        self.controller.record(batch, k, seconds + draft_seconds, verdicts, mode)
 
     def _estimate(self, step: "_StepTiming", seconds: float, draft_seconds: float,
                   drafted: frozenset) -> None:
@@ -249,18 +226,6 @@ class SpecDecoder:
         return flat
 
 
-def _path_verdict(left: dict, tokens: dict, drafts: dict) -> tuple[int, int]:
-    """A draining batch's step as one request's (drafts, accepted): the fewest drafts its
-    ending requests (the most tokens left) were given, and how much closer its end came
-    (the most tokens left before, less the most after) less one. Several ending requests
-    bring the end closer only as far as the slowest of them; one that got ahead makes a
-    request one token behind it the new end."""
-    most = max(left.values())
-    came = most - max(n - tokens.get(r, 0) for r, n in left.items())
-    drafted = min(drafts.get(r, 0) for r, n in left.items() if n == most)
-    return drafted, max(0, min(came - 1, drafted))
-
-
 @dataclass
 class _StepTiming:
     """A decode-only step whose timing waits for the next step's start."""
@@ -269,7 +234,7 @@ class _StepTiming:
     drafts: dict              # req_id -> drafts verified (absent: none)
     verified: bool            # some request had drafts
     seconds: float            # the runner's part: t_start to after_step
-    pending: Optional[tuple]  # SpecDecoder._pending as chosen for this step
+    pending: Optional[tuple]  # (batch, k, mode, draft seconds, drafted ids) chosen for this step
     stats: SpecDecodingStats  # the counters then (reset_stats may have replaced them since)
     records: dict             # req_id -> its RequestSpecStats then
 
