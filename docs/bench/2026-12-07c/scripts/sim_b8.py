@@ -60,7 +60,6 @@ def main():
     for row, la, lp, name, al in ((2.4, 0.8, 0.3, "chat-pays", [0.5] * 8), (4.0, 0.5, 0.2, "chat-loses", [0.4] * 8),
                                   (4.0, 0.8, 0.3, "mixed-loses", [0.2, 0.9, 0.5, 0.3, 0.8, 0.4, 0.6, 0.7])):
         ROW, LA = row, la
-        globals()['ROW'], globals()['LA'] = row, la
         for B in (1, 8):
             rs = []
             for seed in range(10):
