@@ -257,3 +257,33 @@ def test_held_out_prompts_keep_their_sampled_continuations_out_of_training(data)
     assert held == {s.prompt_index for s in split_heldout(seqs, 0.2, seed=0)[1]}
     assert len(train) == 2 * (len(seqs) - len(held))
     assert not any(s.prompt_index in held for s in train)
+
+
+def test_final_states_alone_are_taken_from_a_finished_folder_and_redone_for_new_tokens(
+        llm, tmp_path, monkeypatch):
+    from tokenmill.spec.train import data as data_mod
+    calls = []
+    real = data_mod.extract_features
+    monkeypatch.setattr(data_mod, "extract_features", lambda *a: calls.append(a[2]) or real(*a))
+    folder, prompts = str(tmp_path), PROMPTS[:5]
+    with_layers = data_mod.prepare(llm, folder, (1, 3), 5, 8, 64, 0, "tiny", prompts=prompts)
+    # Medusa / a draft model read the final states only: the (1, 3) run already holds them
+    final_only = data_mod.prepare(llm, folder, (), 5, 8, 64, 0, "tiny", prompts=prompts)
+    assert calls == [(1, 3)]
+    for a, b in zip(with_layers, final_only):
+        assert torch.equal(a.final, b.final) and b.aux.shape == (a.num_tokens, 0)
+    # the cached continuations change token for token, lengths kept (offsets equal): both
+    # folders are stale, and the layers are computed again rather than read
+    path = os.path.join(folder, "continuations.json")
+    with open(path) as f:
+        cached = json.load(f)
+    for s in cached["sequences"]:
+        s["output"] = [(t + 1) % 380 + 3 for t in s["output"]]
+    with open(path, "w") as f:
+        json.dump(cached, f)
+    again = data_mod.prepare(llm, folder, (), 5, 8, 64, 0, "tiny", prompts=prompts)
+    assert calls == [(1, 3), ()]
+    assert not all(torch.equal(a.final, b.final) for a, b in zip(final_only, again))
+    assert all(torch.equal(a.final, b.final) for a, b in zip(again, data_mod.prepare(
+        llm, folder, (1, 3), 5, 8, 64, 0, "tiny", prompts=prompts)))
+    assert calls == [(1, 3), (), (1, 3)]

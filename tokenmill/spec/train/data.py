@@ -10,15 +10,19 @@ a label the drafter must copy). Files of pass 0 (pass i > 0 adds ``-sampled-<i>`
   [{"prompt": [ids], "output": [ids]}]} — generated once by tokenmill in batch;
 - ``features-<layers>/``: ``aux.npy`` float16 [total, len(layers) * hidden] (the outputs of
   those decoder layers, tokenmill.spec.draft_input numbering), ``final.npy`` float16
-  [total, hidden] (after the final norm), ``offsets.npy`` int64 [num_sequences + 1].
+  [total, hidden] (after the final norm), ``offsets.npy`` int64 [num_sequences + 1], ``done``
+  (the digest of the token ids they came from). A method that reads no layer links
+  ``final.npy`` from another folder of the pass instead of running the target again.
 A sequence's rows are positions 0..N-1 of prompt + continuation; row p is computed from
 tokens 0..p. A pass is recomputed when its facts differ from the request.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import shutil
 from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
@@ -127,6 +131,58 @@ def _features_folder(data_dir: str, layers, index: int) -> str:
     return os.path.join(data_dir, "features-" + "-".join(str(x) for x in layers) + _pass_suffix(index))
 
 
+def _tokens_digest(seqs: list[dict]) -> str:
+    """Names the exact token ids a features folder was computed from (a pass regenerated with
+    the same lengths has the same offsets, not the same tokens)."""
+    h = hashlib.sha256()
+    for s in seqs:
+        h.update(np.asarray(s["prompt"] + s["output"], dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+def _is_current(folder: str, offsets: np.ndarray, digest: str) -> bool:
+    """Finished for these tokens. ``done`` holds the digest; an empty one (written before the
+    digest existed) is trusted on its offsets alone."""
+    done = os.path.join(folder, "done")
+    if not os.path.isfile(done) or \
+            not np.array_equal(np.load(os.path.join(folder, "offsets.npy")), offsets):
+        return False
+    with open(done) as f:
+        stored = f.read().strip()
+    return stored in ("", digest)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    if os.path.exists(dst):
+        os.remove(dst)
+    try:
+        os.link(src, dst)
+    except OSError:     # a filesystem without hard links
+        shutil.copyfile(src, dst)
+
+
+def _reuse_final(data_dir: str, folder: str, index: int, offsets: np.ndarray, digest: str) -> bool:
+    """Features of no layers (Medusa, a draft model: the final hidden states alone) from any
+    finished folder of the same pass and tokens: same target run, no second one."""
+    suffix = _pass_suffix(index)
+    for name in sorted(os.listdir(data_dir)):
+        donor = os.path.join(data_dir, name)
+        rest = name[len("features-"):]
+        if donor == folder or not name.startswith("features-") or not os.path.isdir(donor) or \
+                ("-sampled-" in rest) != bool(suffix) or (suffix and not rest.endswith(suffix)):
+            continue
+        if _is_current(donor, offsets, digest):
+            os.makedirs(folder, exist_ok=True)
+            _link_or_copy(os.path.join(donor, "final.npy"), os.path.join(folder, "final.npy"))
+            np.lib.format.open_memmap(os.path.join(folder, "aux.npy"), "w+", np.float16,
+                                      (int(offsets[-1]), 0)).flush()
+            np.save(os.path.join(folder, "offsets.npy"), offsets)
+            with open(os.path.join(folder, "done"), "w") as f:
+                f.write(digest)
+            return True
+    return False
+
+
 def write_features(runner, data_dir: str, seqs: list[dict], layers: tuple[int, ...],
                    index: int = 0) -> str:
     """Computes and stores the features of every sequence of pass ``index`` (float16);
@@ -135,15 +191,23 @@ def write_features(runner, data_dir: str, seqs: list[dict], layers: tuple[int, .
     folder = _features_folder(data_dir, layers, index)
     lengths = [len(s["prompt"]) + len(s["output"]) for s in seqs]
     offsets = np.cumsum([0] + lengths).astype(np.int64)
-    if os.path.isfile(os.path.join(folder, "done")):
-        if np.array_equal(np.load(os.path.join(folder, "offsets.npy")), offsets):
-            return folder
+    digest = _tokens_digest(seqs)
+    if _is_current(folder, offsets, digest):
+        return folder
+    done = os.path.join(folder, "done")
+    if os.path.isfile(done):
+        os.remove(done)
+    if not layers and _reuse_final(data_dir, folder, index, offsets, digest):
+        return folder
     os.makedirs(folder, exist_ok=True)
     h = runner.model.args.hidden_size
     total = int(offsets[-1])
     aux = np.lib.format.open_memmap(os.path.join(folder, "aux.npy"), "w+", np.float16,
                                     (total, len(layers) * h))
-    final = np.lib.format.open_memmap(os.path.join(folder, "final.npy"), "w+", np.float16, (total, h))
+    final_path = os.path.join(folder, "final.npy")
+    if os.path.exists(final_path):      # maybe a hard link shared with another folder
+        os.remove(final_path)
+    final = np.lib.format.open_memmap(final_path, "w+", np.float16, (total, h))
     rows = extract_features(runner, [s["prompt"] + s["output"] for s in seqs], layers)
     for i, (a, f) in enumerate(tqdm(rows, total=len(seqs), desc="target hidden states")):
         aux[offsets[i]:offsets[i + 1]] = a.numpy().astype(np.float16)
@@ -151,7 +215,8 @@ def write_features(runner, data_dir: str, seqs: list[dict], layers: tuple[int, .
     aux.flush()
     final.flush()
     np.save(os.path.join(folder, "offsets.npy"), offsets)
-    open(os.path.join(folder, "done"), "w").close()
+    with open(done, "w") as f:
+        f.write(digest)
     return folder
 
 
