@@ -189,6 +189,25 @@ def test_steps_recorded_together_write_what_steps_recorded_one_by_one(runner):
 
 
 # -- checkpoints ----------------------------------------------------------------------------
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_one_matmul_for_q_k_v_gives_what_query_and_kv_give(qk_norm):
+    from tokenmill.spec.eagle3_model import Eagle3Config, Eagle3Layer
+    from tokenmill.spec.trainable import Rotary, quantize_linears
+    c = Eagle3Config(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                     draft_vocab_size=50, vocab_size=100, aux_layers=(0, 1, 2), qk_norm=qk_norm)
+    layer = init_weights(Eagle3Layer(c), 3, std=0.1)
+    x = torch.randn(3, 128)
+    cos, sin = Rotary(16, 10000.0, None).cos_sin(torch.tensor([0, 5, 9]), torch.float32)
+    for serve in ("float", "int8"):
+        if serve == "int8":
+            quantize_linears(layer, "int8")
+        with torch.inference_mode():
+            q, k, v = layer.qkv(x, cos, sin)
+            k_alone, v_alone = layer.kv(x, cos, sin)
+            assert torch.equal(q, layer.query(x, cos, sin))
+            assert torch.equal(k, k_alone) and torch.equal(v, v_alone)
+
+
 def test_default_layers():
     assert default_aux_layers(30) == (1, 14, 26)      # vLLM's (2, 15, 27) for SmolLM2-135M
     assert default_aux_layers(32) == (1, 15, 28)

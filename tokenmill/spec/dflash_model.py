@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.spec.trainable import Linear, RMSNorm, Rotary, SwiGLU, init_weights, rotate
+from tokenmill.spec.trainable import Linear, LinearGroup, RMSNorm, Rotary, SwiGLU, init_weights, rotate
 
 __all__ = ["DFlashConfig", "DFlashDrafter", "init_weights", "spread_layer_ids"]
 
@@ -86,20 +86,24 @@ class DFlashAttention(nn.Module):
         self.o_proj = Linear(q_size, c.hidden_size, bias=c.attention_bias)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.qkv_proj = LinearGroup(self.q_proj, self.k_proj, self.v_proj)
+        self.kv_proj = LinearGroup(self.k_proj, self.v_proj)
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [..., T, hidden] -> K (normed, rotated), V: [..., T, kv_heads, D]. The context rows
         (fc output) and the block rows (after input_layernorm) share these projections."""
-        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        return rotate(k, cos, sin), v
+        return self._kv(*self.kv_proj(x).split(self.kv_proj.sizes, dim=-1), cos, sin)
+
+    def _kv(self, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        return rotate(k, cos, sin), v.unflatten(-1, (self.num_kv_heads, self.head_dim))
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None) -> torch.Tensor:
         # x [R, Q, hidden]; cos, sin [R, Q, D]; ctx_k, ctx_v [R, C, kv_heads, D];
         # mask None (all visible) or [R, Q, C + Q] bool, True = may attend
-        q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim)))
-        q = rotate(q, cos, sin)
-        k, v = self.kv(x, cos, sin)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        q = rotate(self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))), cos, sin)
+        k, v = self._kv(k, v, cos, sin)
         k = torch.cat([ctx_k.to(k.dtype), k], dim=1)
         v = torch.cat([ctx_v.to(v.dtype), v], dim=1)
         out = F.scaled_dot_product_attention(

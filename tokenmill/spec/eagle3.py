@@ -136,8 +136,7 @@ class Eagle3Proposer:
                                            [s.block_ids for s in states], self.block_size, dev)
         x, residual = head.layer.inputs(head.embed(self.target.model.embed_tokens, tokens), g)
         cos, sin = head.rotary.cos_sin(torch.tensor(positions, device=dev), x.dtype)
-        q = head.layer.query(x, cos, sin)
-        k, v = head.layer.kv(x, cos, sin)
+        q, k, v = head.layer.qkv(x, cos, sin)
         out = self.backend.forward(q.contiguous(), k.contiguous(), v.contiguous(),
                                    self.kv_cache[0], self.kv_cache[1], meta, head.layer.scale)
         return head.layer.finish(out.reshape(out.shape[0], -1), residual)

@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from tokenmill.spec.trainable import Linear, RMSNorm, Rotary, SwiGLU, rotate
+from tokenmill.spec.trainable import Linear, LinearGroup, RMSNorm, Rotary, SwiGLU, rotate
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,8 @@ class Eagle3Layer(nn.Module):
             attn.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             attn.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.mlp = SwiGLU(h, c.intermediate_size, bias=c.mlp_bias)
+        self.kv_proj = LinearGroup(attn.k_proj, attn.v_proj)
+        self.qkv_proj = LinearGroup(attn.q_proj, attn.k_proj, attn.v_proj)
         self.norm_before_residual = c.norm_before_residual
         self.scale = c.head_dim ** -0.5
 
@@ -112,20 +114,32 @@ class Eagle3Layer(nn.Module):
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         return x, (normed if self.norm_before_residual else g)
 
-    def _heads(self, proj: nn.Module, x: torch.Tensor, n: int, norm_name: str) -> torch.Tensor:
-        t = proj(x).unflatten(-1, (n, self.head_dim))
+    def _heads(self, t: torch.Tensor, n: int, norm_name: str) -> torch.Tensor:
+        t = t.unflatten(-1, (n, self.head_dim))
         norm = getattr(self.self_attn, norm_name, None)
         return t if norm is None else norm(t)
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
         """x [T, 2 * hidden] -> K (rotated), V [T, kv_heads, D]."""
-        attn = self.self_attn
-        k = rotate(self._heads(attn.k_proj, x, self.num_kv_heads, "k_norm"), cos, sin)
-        return k, attn.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        k, v = self.kv_proj(x).split(self.kv_proj.sizes, dim=-1)
+        k = rotate(self._heads(k, self.num_kv_heads, "k_norm"), cos, sin)
+        return k, v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple:
+        """x [T, 2 * hidden] -> Q, K (rotated), V [T, heads | kv_heads, D] from one matmul
+        (a drafting step's rows)."""
+        hq, hkv = self.num_heads, self.num_kv_heads
+        heads = self.qkv_proj(x).unflatten(-1, (hq + 2 * hkv, self.head_dim))
+        q, k, v = heads.split([hq, hkv, hkv], dim=1)
+        if hasattr(self.self_attn, "q_norm"):
+            return (rotate(self.self_attn.q_norm(q), cos, sin),
+                    rotate(self.self_attn.k_norm(k), cos, sin), v)
+        qk = rotate(heads[:, :hq + hkv], cos, sin)       # q and k rotate in one pass
+        return qk[:, :hq], qk[:, hq:], v
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, 2 * hidden] -> Q (rotated) [T, heads, D]."""
-        return rotate(self._heads(self.self_attn.q_proj, x, self.num_heads, "q_norm"), cos, sin)
+        return rotate(self._heads(self.self_attn.q_proj(x), self.num_heads, "q_norm"), cos, sin)
 
     def finish(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """attn [T, heads * D] (attention output) -> the layer's output h [T, hidden]."""

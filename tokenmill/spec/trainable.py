@@ -41,6 +41,48 @@ class Linear(nn.Linear):
         return super().forward(x)
 
 
+def _serving(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Inference (autograd not recording this call): the kernels without a backward may run."""
+    return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+
+
+class LinearGroup:
+    """Sibling ``Linear``s that read the same input (k and v, gate and up): served as one int8
+    matmul over their stacked rows when every one is packed (quantize_linears), one kernel
+    call instead of several (a drafter's step is a row or a few, so each call's fixed cost
+    counts as much as its bytes). Per-channel int8 rows quantize alone, so the stacked
+    weight is the members' own. Else each member runs on its own. Not a module: the members
+    stay where the checkpoint names them."""
+
+    def __init__(self, *linears: Linear) -> None:
+        self.linears = linears
+        self.sizes = [m.out_features for m in linears]
+        self._stacked = None      # (Packed, bias or None), built at the first packed call
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> the members' outputs side by side [..., sum of their N]."""
+        if all(m.packed is not None for m in self.linears) and _serving(x, self.linears[0].weight):
+            if self._stacked is None:
+                self._stacked = self._stack()
+            packed, bias = self._stacked
+            return packed_linear(x, packed, bias, activations="q8").to(x.dtype)
+        return torch.cat([m(x) for m in self.linears], dim=-1)
+
+    def _stack(self) -> tuple:
+        from tokenmill.layers.quant import qgemm
+        from tokenmill.layers.quant.formats import Packed
+        parts = [m.packed for m in self.linears]
+        k = parts[0].in_features
+        p = Packed("i8", torch.cat([q.stored() for q in parts]), torch.cat([q.scales for q in parts]),
+                   None, k, sum(self.sizes), k)
+        if qgemm.available():
+            p.tiled = qgemm.tile(p)
+        biases = [m.bias for m in self.linears]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b.detach() if b is not None else torch.zeros(n) for b, n in zip(biases, self.sizes)])
+        return p, bias
+
+
 def quantize_linears(module: nn.Module, method: str) -> int:
     """Serve every ``Linear`` of a drafter from per-channel int8 weights with int8-rounded
     activations (``method`` "int8"; the tiled VNNI / AVX2 kernel where the kernel library
@@ -74,6 +116,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [..., size]
+        if x.dtype == torch.float32 and _serving(x, self.weight):
+            y = cpu_ops.rms_norm(x, self.weight, self.eps)   # one kernel call, not six ops
+            if y is not None:
+                return y
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -87,8 +133,17 @@ class SwiGLU(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, bias=bias)
         self.up_proj = Linear(hidden, intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.gate_up = LinearGroup(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj.packed is not None and _serving(x, self.gate_proj.weight):
+            both = self.gate_up(x)             # [..., 2I]: one int8 matmul
+            flat = both.reshape(-1, both.shape[-1])
+            y = cpu_ops.silu_mul(flat) if flat.dtype == torch.float32 else None
+            if y is None:
+                gate, up = flat.chunk(2, dim=-1)
+                y = F.silu(gate) * up
+            return self.down_proj(y.reshape(*both.shape[:-1], y.shape[-1]))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
