@@ -208,6 +208,19 @@ def test_one_matmul_for_q_k_v_gives_what_query_and_kv_give(qk_norm):
             assert torch.equal(k, k_alone) and torch.equal(v, v_alone)
 
 
+def test_rotary_tables_grow_to_any_position_and_give_the_formulas_values():
+    from tokenmill.spec.trainable import Rotary
+    rot = Rotary(16, 10000.0, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})
+    for positions in (torch.tensor([0, 3, 255]), torch.tensor([[7, 4000], [1, 2]]), torch.tensor([-2, 5])):
+        freqs = positions.float().unsqueeze(-1) * rot.inv_freq      # the float32 formula
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = rot.cos_sin(positions, torch.float32)
+        assert cos.shape == (*positions.shape, 16)
+        torch.testing.assert_close(cos, emb.cos() * rot.mscale, rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin, emb.sin() * rot.mscale, rtol=0, atol=1e-6)
+    assert rot._tables[torch.device("cpu")][0].shape[0] == 4096     # doubled past 4000
+
+
 def test_default_layers():
     assert default_aux_layers(30) == (1, 14, 26)      # vLLM's (2, 15, 27) for SmolLM2-135M
     assert default_aux_layers(32) == (1, 15, 28)

@@ -272,6 +272,9 @@ def test_final_states_alone_are_taken_from_a_finished_folder_and_redone_for_new_
     assert calls == [(1, 3)]
     for a, b in zip(with_layers, final_only):
         assert torch.equal(a.final, b.final) and b.aux.shape == (a.num_tokens, 0)
+    # the build time stays recorded: generation + the one target run, for either folder
+    built = data_mod.build_seconds(folder, (1, 3))
+    assert built is not None and built >= 0 and data_mod.build_seconds(folder, ()) == built
     # the cached continuations change token for token, lengths kept (offsets equal): both
     # folders are stale, and the layers are computed again rather than read
     path = os.path.join(folder, "continuations.json")

@@ -126,7 +126,11 @@ def training_facts(path) -> dict:
         return {}
     with open(summary) as f:
         s = json.load(f)
-    return {"train_seconds": s.get("train_seconds"), "data_seconds": s.get("data_seconds"),
+    # the data's build time, recorded in the cache by the run that built it (a rerun's own
+    # data_seconds is only a cache read); older summaries have only data_seconds
+    built = s.get("data_build_seconds")
+    return {"train_seconds": s.get("train_seconds"),
+            "data_seconds": built if built is not None else s.get("data_seconds"),
             "heldout_tau": s.get("heldout_tau")}
 
 

@@ -148,17 +148,37 @@ class SwiGLU(nn.Module):
 
 
 class Rotary:
-    """cos/sin for any positions, computed on the fly (a block may sit past any table). Not a
-    module: nothing to save, and casting a drafter to bf16 must not round the frequencies."""
+    """cos/sin for any positions, read from float32 tables that grow (doubling) to the
+    largest position asked for (a block may sit past any fixed length): a drafting step
+    indexes two tables instead of running ten ops, and training and serving read the same
+    values. Not a module: nothing to save, and casting a drafter to bf16 must not round the
+    frequencies."""
 
     def __init__(self, head_dim: int, theta: float, scaling: Optional[dict]) -> None:
         self.inv_freq = compute_inv_freq(head_dim, theta, scaling)           # [D/2] float32
         self.mscale = yarn_attention_factor(scaling) if scaling_kind(scaling) == "yarn" else 1.0
+        self._tables: dict = {}       # device -> (cos, sin) [P, D] float32
+
+    def _table(self, device: torch.device, size: int) -> tuple:
+        tables = self._tables.get(device)
+        if tables is None or tables[0].shape[0] < size:
+            n = 256
+            while n < size:
+                n *= 2
+            freqs = torch.arange(n, device=device).float().unsqueeze(-1) * self.inv_freq.to(device)
+            emb = torch.cat([freqs, freqs], dim=-1)
+            tables = self._tables[device] = (emb.cos() * self.mscale, emb.sin() * self.mscale)
+        return tables
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         # positions [...] -> cos, sin [..., D]
+        if positions.numel() and not positions.is_floating_point():
+            lo, hi = torch.aminmax(positions)
+            if int(lo) >= 0:
+                cos, sin = self._table(positions.device, int(hi) + 1)
+                return cos[positions].to(dtype), sin[positions].to(dtype)
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
-        emb = torch.cat([freqs, freqs], dim=-1)
+        emb = torch.cat([freqs, freqs], dim=-1)       # negative or fractional positions
         return (emb.cos() * self.mscale).to(dtype), (emb.sin() * self.mscale).to(dtype)
 
 

@@ -76,7 +76,7 @@ def cmd_train_drafter(args) -> int:
     from tokenmill import LLM
     from tokenmill.models.hub import DEFAULT_CACHE_DIR
     from tokenmill.spec.draft_input import validate_aux_layers
-    from tokenmill.spec.train.data import prepare, split_heldout
+    from tokenmill.spec.train.data import build_seconds, prepare, split_heldout
     from tokenmill.spec.train.recipes import get_recipe
     from tokenmill.spec.train.trainer import TrainConfig, Trainer
     if args.num_threads:
@@ -96,12 +96,15 @@ def cmd_train_drafter(args) -> int:
     seqs = prepare(llm, data_dir, layers, args.num_prompts, args.max_tokens,
                    args.max_prompt_tokens, args.seed, args.model, turns=args.turns,
                    sampled_passes=args.sampled_passes, temperature=args.sample_temperature)
+    # what the cached data took to build (by whichever run built it), and this run's share
     data_seconds = time.perf_counter() - t0
+    built_seconds = build_seconds(data_dir, layers, 1 + args.sampled_passes)
     train, heldout = split_heldout(seqs, args.heldout_fraction, args.seed)
     os.makedirs(args.output, exist_ok=True)
     summary = Trainer(recipe, target, train, heldout, cfg, args.output,
                       progress=not args.no_progress).run()
     summary.update(model=args.model, data_dir=data_dir, data_seconds=round(data_seconds, 1),
+                   data_build_seconds=built_seconds,
                    num_sequences=len(seqs), num_train_tokens=sum(s.num_tokens for s in train))
     with open(os.path.join(args.output, "train_summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

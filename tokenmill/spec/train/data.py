@@ -11,8 +11,9 @@ a label the drafter must copy). Files of pass 0 (pass i > 0 adds ``-sampled-<i>`
 - ``features-<layers>/``: ``aux.npy`` float16 [total, len(layers) * hidden] (the outputs of
   those decoder layers, tokenmill.spec.draft_input numbering), ``final.npy`` float16
   [total, hidden] (after the final norm), ``offsets.npy`` int64 [num_sequences + 1], ``done``
-  (the digest of the token ids they came from). A method that reads no layer links
-  ``final.npy`` from another folder of the pass instead of running the target again.
+  ({"digest" of the token ids they came from, "seconds" the target run took}). A method
+  that reads no layer links ``final.npy`` from another folder of the pass instead of running
+  the target again.
 A sequence's rows are positions 0..N-1 of prompt + continuation; row p is computed from
 tokens 0..p. A pass is recomputed when its facts differ from the request.
 """
@@ -23,6 +24,7 @@ import json
 import os
 import random
 import shutil
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
@@ -140,16 +142,30 @@ def _tokens_digest(seqs: list[dict]) -> str:
     return h.hexdigest()
 
 
-def _is_current(folder: str, offsets: np.ndarray, digest: str) -> bool:
-    """Finished for these tokens. ``done`` holds the digest; an empty one (written before the
-    digest existed) is trusted on its offsets alone."""
+def _done_facts(folder: str) -> Optional[dict]:
+    """What a finished folder's ``done`` records ({"digest", "seconds", ...}); {} for an empty
+    one (written before the facts existed), None when unfinished."""
     done = os.path.join(folder, "done")
-    if not os.path.isfile(done) or \
-            not np.array_equal(np.load(os.path.join(folder, "offsets.npy")), offsets):
-        return False
+    if not os.path.isfile(done):
+        return None
     with open(done) as f:
-        stored = f.read().strip()
-    return stored in ("", digest)
+        text = f.read().strip()
+    return json.loads(text) if text else {}
+
+
+def _finish(folder: str, digest: str, seconds: Optional[float], **more) -> None:
+    with open(os.path.join(folder, "done"), "w") as f:
+        json.dump({"digest": digest, "seconds": None if seconds is None else round(seconds, 1),
+                   **more}, f)
+
+
+def _is_current(folder: str, offsets: np.ndarray, digest: str) -> bool:
+    """Finished for these tokens. A ``done`` from before the digest existed is trusted on its
+    offsets alone."""
+    facts = _done_facts(folder)
+    if facts is None or not np.array_equal(np.load(os.path.join(folder, "offsets.npy")), offsets):
+        return False
+    return facts.get("digest", digest) == digest
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -177,8 +193,8 @@ def _reuse_final(data_dir: str, folder: str, index: int, offsets: np.ndarray, di
             np.lib.format.open_memmap(os.path.join(folder, "aux.npy"), "w+", np.float16,
                                       (int(offsets[-1]), 0)).flush()
             np.save(os.path.join(folder, "offsets.npy"), offsets)
-            with open(os.path.join(folder, "done"), "w") as f:
-                f.write(digest)
+            # the target run that made them: what these features cost to build
+            _finish(folder, digest, _done_facts(donor).get("seconds"), linked_from=name)
             return True
     return False
 
@@ -189,6 +205,7 @@ def write_features(runner, data_dir: str, seqs: list[dict], layers: tuple[int, .
     returns their folder."""
     from tqdm import tqdm
     folder = _features_folder(data_dir, layers, index)
+    t0 = time.perf_counter()
     lengths = [len(s["prompt"]) + len(s["output"]) for s in seqs]
     offsets = np.cumsum([0] + lengths).astype(np.int64)
     digest = _tokens_digest(seqs)
@@ -215,8 +232,7 @@ def write_features(runner, data_dir: str, seqs: list[dict], layers: tuple[int, .
     aux.flush()
     final.flush()
     np.save(os.path.join(folder, "offsets.npy"), offsets)
-    with open(done, "w") as f:
-        f.write(digest)
+    _finish(folder, digest, time.perf_counter() - t0)
     return folder
 
 
@@ -270,16 +286,33 @@ def prepare(llm, data_dir: str, layers: tuple[int, ...], num_prompts: int, max_t
                 prompts = calibration_prompts(llm.get_tokenizer(), num_prompts, max_prompt_tokens,
                                               seed, turns=turns)
             # pass i's prompt j draws from seed (seed + i) * 1_000_003 + j: no two share one
+            t0 = time.perf_counter()
             seqs = generate_continuations(llm, prompts[:num_prompts], max_tokens,
                                           pass_facts["temperature"], (seed + index) * 1_000_003)
             with open(path + ".tmp", "w") as f:
-                json.dump({**pass_facts, "sequences": seqs}, f)
+                json.dump({**pass_facts, "seconds": round(time.perf_counter() - t0, 1),
+                           "sequences": seqs}, f)
             os.replace(path + ".tmp", path)
         else:
             seqs = cached["sequences"]
         write_features(llm.engine.runner, data_dir, seqs, tuple(layers), index)
         out += load_sequences(data_dir, tuple(layers), index)
     return out
+
+
+def build_seconds(data_dir: str, layers: tuple[int, ...], passes: int = 1) -> Optional[float]:
+    """Seconds the cached data of ``passes`` passes took to build when it was built
+    (continuations + the target run for ``layers``), whoever built it; None where a cache
+    from before these records exists."""
+    total = 0.0
+    for index in range(passes):
+        with open(_continuations_path(data_dir, index)) as f:
+            generated = json.load(f).get("seconds")
+        built = (_done_facts(_features_folder(data_dir, layers, index)) or {}).get("seconds")
+        if generated is None or built is None:
+            return None
+        total += generated + built
+    return round(total, 1)
 
 
 def choose_draft_vocab(data, vocab_size: int, size: int) -> torch.Tensor:
