@@ -12,7 +12,7 @@ tokenmill bench spec $common --temperature 0,1 \
     --methods ngram,medusa,adaptive_ngram_medusa,draft_model,adaptive_ngram_draft_model \
     --drafter medusa=$medusa --drafter draft_model=$dm --k 3 --output-dir $out/spec-medusa-dm > $out/spec-medusa-dm.log 2>&1
 date -u +"eagle3 tree start %H:%M:%S"
-tokenmill bench spec --workloads chat,grounded --batch-sizes 1 --repeats 3 --max-tokens 96 --num-threads 2 \
+tokenmill bench spec --workloads chat,grounded --batch-sizes 1 --repeats 2 --max-tokens 96 --num-threads 2 \
     --no-progress --temperature 0 \
     --methods ngram,adaptive_ngram_eagle3_int8,adaptive_ngram_eagle3_int8_tree --drafter eagle3=$eagle --k 3 \
     --token-tree "[(0,), (1,), (0, 0), (0, 0, 0)]" --output-dir $out/spec-eagle3-tree > $out/spec-eagle3-tree.log 2>&1
