@@ -16,6 +16,11 @@ from tokenmill.layers.quant.matmul import packed_linear
 from tokenmill.layers.rotary import compute_inv_freq, scaling_kind, yarn_attention_factor
 
 
+def _serving(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Inference (autograd not recording this call): the kernels without a backward may run."""
+    return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+
+
 class Linear(nn.Linear):
     """nn.Linear that, when autograd is not recording, runs decode-sized inputs (at most
     cpu_ops.LINEAR_MAX_ROWS rows) through tokenmill's streaming kernel: a drafter multiplies
@@ -29,7 +34,7 @@ class Linear(nn.Linear):
     packed = None   # tokenmill.layers.quant.formats.Packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+        if _serving(x, self.weight):
             if self.packed is not None:
                 return packed_linear(x, self.packed, self.bias, activations="q8").to(x.dtype)
             y = cpu_ops.linear(x if x.is_contiguous() else x.contiguous(), self.weight, self.bias)
@@ -39,11 +44,6 @@ class Linear(nn.Linear):
             raise RuntimeError("this drafter serves int8 copies of its linears (quantize_linears) "
                                "and has no float weights left to train; train the float drafter")
         return super().forward(x)
-
-
-def _serving(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Inference (autograd not recording this call): the kernels without a backward may run."""
-    return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
 
 
 class LinearGroup:
@@ -61,7 +61,8 @@ class LinearGroup:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> the members' outputs side by side [..., sum of their N]."""
-        if all(m.packed is not None for m in self.linears) and _serving(x, self.linears[0].weight):
+        if all(m.packed is not None and m.packed.kind == "i8" for m in self.linears) and \
+                _serving(x, self.linears[0].weight):
             if self._stacked is None:
                 self._stacked = self._stack()
             packed, bias = self._stacked
