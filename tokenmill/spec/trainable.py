@@ -78,6 +78,7 @@ class LinearGroup:
                    None, k, sum(self.sizes), k)
         if qgemm.available():
             p.tiled = qgemm.tile(p)
+            p.qweight = None      # the tiles are its only copy (Packed.stored reads them back)
         biases = [m.bias for m in self.linears]
         bias = None if all(b is None for b in biases) else torch.cat(
             [b.detach() if b is not None else torch.zeros(n) for b, n in zip(biases, self.sizes)])
