@@ -167,10 +167,14 @@ class Rotary:
             n = 256
             while n < size:
                 n *= 2
-            freqs = torch.arange(n, device=device).float().unsqueeze(-1) * self.inv_freq.to(device)
-            emb = torch.cat([freqs, freqs], dim=-1)
-            tables = self._tables[device] = (emb.cos() * self.mscale, emb.sin() * self.mscale)
+            tables = self._tables[device] = self._formula(torch.arange(n, device=device))
         return tables
+
+    def _formula(self, positions: torch.Tensor) -> tuple:
+        # positions [...] -> cos, sin [..., D] float32
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos() * self.mscale, emb.sin() * self.mscale
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         # positions [...] -> cos, sin [..., D]
@@ -179,9 +183,8 @@ class Rotary:
             if int(lo) >= 0:
                 cos, sin = self._table(positions.device, int(hi) + 1)
                 return cos[positions].to(dtype), sin[positions].to(dtype)
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
-        emb = torch.cat([freqs, freqs], dim=-1)       # negative or fractional positions
-        return (emb.cos() * self.mscale).to(dtype), (emb.sin() * self.mscale).to(dtype)
+        cos, sin = self._formula(positions)          # negative or fractional positions
+        return cos.to(dtype), sin.to(dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
