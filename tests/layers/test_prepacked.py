@@ -137,30 +137,64 @@ def test_unknown_gemm_dtype_is_a_clear_error():
         ModelConfig(model="x", cpu_gemm_dtype="float16")
 
 
+@pytest.fixture(params=["avx512", "amx"])
+def bf16_kernel(request):
+    """Each bf16 matmul kernel this CPU has, switched on for the test: vdpbf16ps everywhere
+    bf16 mode runs, AMX tiles where the CPU has them (the process's default there)."""
+    if request.param == "amx" and not native.has_amx_bf16():
+        pytest.skip("CPU without AMX-BF16")
+    lib = native.require()
+    was = lib.tm_amx_active()
+    if lib.tm_amx_enable(int(request.param == "amx")):
+        pytest.skip("the kernel refused AMX tile state")
+    yield request.param
+    lib.tm_amx_enable(was)
+
+
+_BF16_CASES = [(rows, n, k) for rows in (1, 7, 8, 9, 15, 16, 17, 33, 40, 64, 65, 137)
+               for n, k in ((16, 2), (48, 96), (80, 34))] \
+    + [(rows, 16, 4096) for rows in (1, 17, 65, 137)]
+
+
 @needs_bf16
-@pytest.mark.parametrize("rows", [1, 7, 8, 9, 17, 40, 64, 65, 137])
-@pytest.mark.parametrize("n,k", [(16, 2), (48, 96), (80, 34)])
+@pytest.mark.parametrize("rows,n,k", _BF16_CASES)
 @pytest.mark.parametrize("bias", [True, False])
-def test_bf16_tile_kernel_equals_its_reference(rows, n, k, bias):
-    """tm_linear_bf16: x and W rounded to bf16, one float32 chain per output over the k pairs
-    (odd product, then even), bit for bit; one and two 16-output tiles per thread block; one
-    64-row panel and several (65, 137 rows)."""
+def test_bf16_tile_kernel_equals_its_reference(rows, n, k, bias, bf16_kernel):
+    """tm_linear_bf16: x and W rounded to bf16 and float32 sums in the kernel's order, bit for
+    bit: vdpbf16ps's one chain per output over the k pairs (odd product, then even), AMX's
+    even and odd chains per 16 pairs (K % 32 == 0; K = 2 and 34 take vdpbf16ps there too).
+    One and two 16-output tiles per block; rows in partial tiles, one panel and several (the
+    AMX panel is 64 rows at K = 4096)."""
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
     got = cpu_ops.linear_bf16(x, cpu_ops.bf16_tiles(w), b)
-    assert torch.equal(got, cpu_ops.linear_bf16_reference(x, w, b))
+    assert torch.equal(got, cpu_ops.linear_bf16_reference(x, w, b, kernel=bf16_kernel))
     # the rounding of x and W is really there, and the sums are float32, not bf16
     assert (got - F.linear(x, w, b)).abs().max() > 1e-4
     assert not torch.equal(got, got.bfloat16().float())
 
 
 @needs_bf16
-def test_bf16_tile_rows_do_not_depend_on_the_batch():
+def test_the_two_bf16_kernels_sum_in_different_orders(bf16_kernel):
+    """The reference's two orders are not the same numbers (so the test above tells them
+    apart), and the kernel that runs matches its own order only."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(64, 576, generator=g), torch.randn(32, 576, generator=g)
+    got = cpu_ops.linear_bf16(x, cpu_ops.bf16_tiles(w))
+    other = "amx" if bf16_kernel == "avx512" else "avx512"
+    assert torch.equal(got, cpu_ops.linear_bf16_reference(x, w, kernel=bf16_kernel))
+    assert not torch.equal(got, cpu_ops.linear_bf16_reference(x, w, kernel=other))
+
+
+@needs_bf16
+@pytest.mark.parametrize("k", [96, 4096])
+def test_bf16_tile_rows_do_not_depend_on_the_batch(bf16_kernel, k):
     """A row's output is the same alone and among 63 others (the C stack's batches) or 199
-    (a prefill chunk: rows in several panels)."""
+    (a prefill chunk: rows in several panels: 64-row ones for vdpbf16ps, and for AMX at
+    K = 4096)."""
     g = torch.Generator().manual_seed(1)
-    x, w = torch.randn(200, 96, generator=g), torch.randn(320, 96, generator=g)
+    x, w = torch.randn(200, k, generator=g), torch.randn(320, k, generator=g)
     tiles = cpu_ops.bf16_tiles(w)
     batch, prefill = cpu_ops.linear_bf16(x[:64], tiles), cpu_ops.linear_bf16(x, tiles)
     for i in (0, 9, 31, 63):
@@ -168,7 +202,7 @@ def test_bf16_tile_rows_do_not_depend_on_the_batch():
         assert torch.equal(prefill[i:i + 1], batch[i:i + 1])
     for i in (64, 127, 128, 199):
         assert torch.equal(cpu_ops.linear_bf16(x[i:i + 1], tiles), prefill[i:i + 1])
-    assert cpu_ops.bf16_tiles(torch.randn(300, 96)) is None   # N % 16: no tiles
+    assert cpu_ops.bf16_tiles(torch.randn(300, k)) is None   # N % 16: no tiles
 
 
 @needs_bf16

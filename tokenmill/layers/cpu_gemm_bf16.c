@@ -6,7 +6,8 @@
  * product, then the even one, rounding each sum to float32), then + bias: its bits depend
  * on its row alone, never on M or the rows beside it, so the fused decode stack and the
  * module path agree and a request's tokens do not change with the batch. Reference:
- * cpu_ops.linear_bf16_reference. */
+ * cpu_ops.linear_bf16_reference. On a CPU with AMX-BF16 every call whose K % 32 == 0 takes
+ * linear_bf16_amx below instead, at every M (its sums group differently: see there). */
 
 #define BF_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define BF_MB 8   /* rows per block: 8 x 2 tiles = 16 accumulators */
@@ -65,9 +66,14 @@ bf16_block(const uint32_t *xb, int64_t K2, const uint32_t *wt, int64_t t0, const
  * once a panel). Returns nonzero for a shape it does not take or when its buffer could not
  * be allocated. */
 #define BF_PANEL 64
+static int tm_amx_on;
+static int linear_bf16_amx(const float *x, int64_t M, int64_t K, const uint16_t *tiles,
+                           int64_t N, const float *bias, float *y, int nthreads);
 BF_TARGET int tm_linear_bf16(const float *x, int64_t M, int64_t K, const uint16_t *tiles,
                              int64_t N, const float *bias, float *y, int nthreads) {
     if (K % 2 || N % 16 || M <= 0) return 1;
+    if (tm_amx_on && K % 32 == 0)   /* every row count: a row's bits never depend on M */
+        return linear_bf16_amx(x, M, K, tiles, N, bias, y, nthreads);
     const int64_t K2 = K / 2, ntiles = N / 16, pairs = (ntiles + 1) / 2;
     uint32_t *xb = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(M * K2));
     if (!xb) return 1;
@@ -96,6 +102,127 @@ BF_TARGET int tm_linear_bf16(const float *x, int64_t M, int64_t K, const uint16_
                 }
             }
         }
+    }
+    free(xb);
+    return 0;
+}
+
+/* The same product on AMX tiles (Sapphire Rapids and newer Intel CPUs): tdpbf16ps
+ * multiplies a 16 x 32 bf16 block of x by a 32 x 16 block of W (one of bf16_tiles' tiles
+ * over 16 k pairs is exactly AMX's B operand, rows of 16 pairs) into 16 x 16 float32 sums,
+ * ~16x vdpbf16ps's products a cycle (1.2-2 TFLOP/s on 2 Sapphire Rapids cores from 16 rows
+ * up, against ~200 for vdpbf16ps; at one row as fast or faster). Its sums, measured against
+ * an emulation and as Intel's pseudo-code gives them: per 16 k pairs, the even products in
+ * one float32 chain from zero and the odd ones in another, then acc += (even + odd) (denormal
+ * inputs and outputs flushed to zero). cpu_ops.linear_bf16_reference has both kernels'
+ * order. Rows go in blocks of 32 (two A tiles, zero rows past M; up to 16 rows, tiles of M
+ * rows), outputs in pairs of W tiles: 4 accumulator tiles a block. Needs K % 32 == 0 and the
+ * process's permission for tile data (tm_amx_enable). */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+static int tm_amx_on = 0;
+
+/* Linux hands out AMX tile state only to a process that asked (arch_prctl
+ * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA). on = 1: ask, and from then on tm_linear_bf16
+ * takes the tiles where K % 32 == 0; returns nonzero when refused (nothing changes). on = 0:
+ * back to vdpbf16ps (tests compare the two). native.py calls it once when the library is
+ * opened on a CPU with AMX-BF16. */
+int tm_amx_enable(int on) {
+    if (on && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0)
+        return 1;
+    tm_amx_on = on != 0;
+    return 0;
+}
+
+int tm_amx_active(void) { return tm_amx_on; }
+
+struct amx_tilecfg { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+/* One block: rows m0 .. m0 + 16 * MT - 1 of xb ([Mpad][K] bf16) against W tiles t0 ..
+ * t0 + NT - 1; sums go to y's rows below M (+ bias). Tiles 0-3 accumulate, 4-5 hold x,
+ * 6-7 hold W. */
+AMX_TARGET static inline __attribute__((always_inline)) void
+amx_block(const uint16_t *xb, int64_t K, const uint32_t *wt, int64_t t0, const int MT,
+          const int NT, const float *bias, float *y, int64_t N, int64_t m0, int64_t M) {
+    const int64_t K2 = K / 2;
+    const uint32_t *w0 = wt + t0 * K2 * 16, *w1 = w0 + K2 * 16;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t p = 0; p < K2; p += 16) {
+        _tile_loadd(4, xb + m0 * K + 2 * p, K * 2);
+        if (MT == 2) _tile_loadd(5, xb + (m0 + 16) * K + 2 * p, K * 2);
+        _tile_loadd(6, w0 + p * 16, 64);
+        if (NT == 2) _tile_loadd(7, w1 + p * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (NT == 2) _tile_dpbf16ps(1, 4, 7);
+        if (MT == 2) _tile_dpbf16ps(2, 5, 6);
+        if (MT == 2 && NT == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+    float c[4][16][16];
+    _tile_stored(0, c[0], 64);
+    if (NT == 2) _tile_stored(1, c[1], 64);
+    if (MT == 2) _tile_stored(2, c[2], 64);
+    if (MT == 2 && NT == 2) _tile_stored(3, c[3], 64);
+    for (int mt = 0; mt < MT; mt++)
+        for (int nt = 0; nt < NT; nt++) {
+            const __m512 b = bias ? _mm512_loadu_ps(bias + (t0 + nt) * 16) : _mm512_setzero_ps();
+            for (int r = 0; r < 16; r++) {
+                const int64_t m = m0 + 16 * mt + r;
+                if (m >= M) break;
+                __m512 v = _mm512_loadu_ps(c[2 * mt + nt][r]);
+                if (bias) v = _mm512_add_ps(v, b);
+                _mm512_storeu_ps(y + m * N + (t0 + nt) * 16, v);
+            }
+        }
+}
+
+/* Rows per panel: its bf16 copy (rows x K x 2 bytes) stays in L2 (2 MB a core on Sapphire
+ * Rapids) while the threads pass their W tiles over it. */
+static int64_t amx_panel_rows(int64_t K) {
+    int64_t rows = (int64_t)(512 * 1024) / (K * 2) / 32 * 32;
+    return rows < 32 ? 32 : rows;
+}
+
+AMX_TARGET static int linear_bf16_amx(const float *x, int64_t M, int64_t K,
+                                      const uint16_t *tiles, int64_t N, const float *bias,
+                                      float *y, int nthreads) {
+    const int64_t Mpad = (M + 31) / 32 * 32, ntiles = N / 16, pairs = (ntiles + 1) / 2;
+    const int64_t panel = amx_panel_rows(K);
+    uint16_t *xb = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)(Mpad * K));
+    if (!xb) return 1;
+    const uint32_t *wt = (const uint32_t *)tiles;
+    #pragma omp parallel num_threads(nthreads) if (pairs > 1)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < Mpad; r++) {
+            if (r < M) round_bf16(x + r * K, K, xb + r * K);
+            else memset(xb + r * K, 0, sizeof(uint16_t) * (size_t)K);
+        }
+        /* Up to 16 rows: x and sums in tiles of M rows (no work on zero rows). */
+        struct amx_tilecfg cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        const int rows = M < 16 ? (int)M : 16;
+        for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = t >= 6 ? 16 : rows; }
+        _tile_loadconfig(&cfg);
+        for (int64_t p0 = 0; p0 < M; p0 += panel) {
+            const int64_t p1 = M - p0 < panel ? M : p0 + panel;
+            #pragma omp for schedule(static)   /* implicit barrier: the next panel reuses W */
+            for (int64_t tp = 0; tp < pairs; tp++) {
+                const int64_t t0 = 2 * tp;
+                const int two = t0 + 1 < ntiles;
+                for (int64_t m0 = p0; m0 < p1; m0 += 32) {
+                    const int both = m0 + 16 < M;
+                    if (both && two) amx_block(xb, K, wt, t0, 2, 2, bias, y, N, m0, M);
+                    else if (both) amx_block(xb, K, wt, t0, 2, 1, bias, y, N, m0, M);
+                    else if (two) amx_block(xb, K, wt, t0, 1, 2, bias, y, N, m0, M);
+                    else amx_block(xb, K, wt, t0, 1, 1, bias, y, N, m0, M);
+                }
+            }
+        }
+        _tile_release();
     }
     free(xb);
     return 0;

@@ -149,15 +149,30 @@ def linear_bf16(x: torch.Tensor, tiles: torch.Tensor, bias: Optional[torch.Tenso
 
 
 def linear_bf16_reference(x: torch.Tensor, weight: torch.Tensor,
-                          bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          bias: Optional[torch.Tensor] = None,
+                          kernel: Optional[str] = None) -> torch.Tensor:
     """tm_linear_bf16's arithmetic in torch: x and W rounded to bf16 (products of two bf16
-    values are exact in float32), one float32 chain per output over the k pairs in order,
-    adding the odd product, then the even one, as vdpbf16ps does; then + bias."""
+    values are exact in float32), then float32 sums in the order of the kernel that runs
+    (``kernel``: "avx512" / "amx"; default: this process's, native.bf16_kernel()), + bias.
+    vdpbf16ps: one chain per output over the k pairs in order, the odd product, then the
+    even one. AMX tiles (K % 32 == 0 only; other K take vdpbf16ps): per group of 16 k pairs,
+    the even products in one chain from zero and the odd in another, then acc += (even +
+    odd). Denormals, which both flush, are not modelled."""
+    kernel = kernel or native.bf16_kernel()
     xb, wb = x.to(torch.bfloat16).float(), weight.to(torch.bfloat16).float()
     acc = torch.zeros(x.shape[0], weight.shape[0], dtype=torch.float32)
-    for p in range(x.shape[1] // 2):
-        acc = acc + xb[:, 2 * p + 1, None] * wb[None, :, 2 * p + 1]
-        acc = acc + xb[:, 2 * p, None] * wb[None, :, 2 * p]
+    pairs = x.shape[1] // 2
+    if kernel == "amx" and pairs % 16 == 0:
+        for g in range(0, pairs, 16):
+            even = odd = torch.zeros_like(acc)
+            for p in range(g, g + 16):
+                even = even + xb[:, 2 * p, None] * wb[None, :, 2 * p]
+                odd = odd + xb[:, 2 * p + 1, None] * wb[None, :, 2 * p + 1]
+            acc = acc + (even + odd)
+    else:
+        for p in range(pairs):
+            acc = acc + xb[:, 2 * p + 1, None] * wb[None, :, 2 * p + 1]
+            acc = acc + xb[:, 2 * p, None] * wb[None, :, 2 * p]
     return acc if bias is None else acc + bias
 
 

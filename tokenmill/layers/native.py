@@ -119,6 +119,12 @@ def has_avx512_bf16() -> bool:
     return {"avx512f", "avx512_bf16"} <= cpu_flags()
 
 
+def has_amx_bf16() -> bool:
+    """True when this CPU has AMX tiles with bf16 products (Sapphire Rapids and newer Intel
+    CPUs), which bf16 mode's matmuls then take (cpu_gemm_bf16.c's linear_bf16_amx)."""
+    return {"amx_tile", "amx_bf16"} <= cpu_flags() and has_avx512_bf16()
+
+
 def compiler() -> Optional[str]:
     """The C compiler the kernels are built with, or None when there is none."""
     return shutil.which("cc") or shutil.which("gcc")
@@ -272,6 +278,7 @@ class BuildStatus:
     error: Optional[str] = None
     seconds: float = 0.0
     tried: bool = False
+    amx: bool = False       # bf16 matmuls on AMX tiles (granted and enabled at load)
 
 
 _status = BuildStatus()
@@ -289,6 +296,10 @@ def build_library(source: str = SOURCE, build_dir: Optional[str] = None,
         try:
             status.path = build_shared_library(source, build_dir, timeout_s=timeout_s)
             status.lib = declare(ctypes.CDLL(status.path))
+            status.amx = has_amx_bf16() and status.lib.tm_amx_enable(1) == 0
+            if has_amx_bf16() and not status.amx:
+                logger.warning("the kernel refused AMX tile state to this process; bf16 "
+                               "matmuls run on AVX-512 BF16 instead (slower from 4 rows up)")
         except (OSError, KernelBuildError, AttributeError) as e:
             status.error = f"{type(e).__name__}: {e}"
     status.seconds = time.perf_counter() - start
@@ -312,6 +323,15 @@ def library() -> Optional[ctypes.CDLL]:
     return _status.lib if _status.tried else build().lib
 
 
+def bf16_kernel() -> Optional[str]:
+    """Which kernel bf16 mode's matmuls take here: "amx" (tiles, for K % 32 == 0),
+    "avx512" (vdpbf16ps), or None where bf16 mode is refused."""
+    lib = library()
+    if lib is None or not has_avx512_bf16():
+        return None
+    return "amx" if lib.tm_amx_active() else "avx512"
+
+
 def require() -> ctypes.CDLL:
     """The library, or KernelBuildError with the reason (for tests and `tokenmill env`)."""
     lib = library()
@@ -323,7 +343,8 @@ def require() -> ctypes.CDLL:
 def status() -> dict:
     """For `tokenmill env`: CPU support, compiler, build result."""
     s = build()
-    return {"cpu_supported": cpu_supported(), "isa": _isa, "vnni": has_vnni(), "compiler": compiler(),
+    return {"cpu_supported": cpu_supported(), "isa": _isa, "vnni": has_vnni(),
+            "bf16_matmul": bf16_kernel() or "-", "compiler": compiler(),
             "built": s.lib is not None, "path": s.path, "error": s.error,
             "build_seconds": round(s.seconds, 3), "flags": " ".join(build_flags())}
 
@@ -341,6 +362,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "tm_linear_blocked": ([p, i64, i64, p, i64, p, p, i32], None),
         "tm_linear_half": ([p, i64, i64, p, i32, i64, p, p, i32], None),
         "tm_linear_bf16": ([p, i64, i64, p, i64, p, p, i32], i32),
+        "tm_amx_enable": ([i32], i32),
+        "tm_amx_active": ([], i32),
         "tm_argmax_rows": ([p, i64, i64, p, i32], None),
         "tm_nonfinite_rows": ([p, i64, i64, p, i32], i64),
         "tm_paged_attention": ([p, i64, i64, i64, p, p, p, p, i32, i64, i64, p, i64, i64, p,
