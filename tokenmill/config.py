@@ -11,7 +11,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "cpu", "reference", "triton")
 CPU_GEMM_DTYPES = ("float32", "bfloat16")
-CPU_ISAS = ("native", "avx2")   # layers/native.py: what each one builds and allows
+CPU_ISAS = ("native", "avx512", "avx2")   # layers/native.py: what each one builds and allows
 DRAFTER_QUANTIZATIONS = ("int8",)   # how an eagle3 / dflash drafter's linears may be served
 KV_CACHE_DTYPES = ("auto", "fp16", "float16", "bf16", "bfloat16", "int8", "fp8", "fp8_e4m3")
 
@@ -65,9 +65,10 @@ class ModelConfig:
     # GEMM rate on Zen 4, half the bytes a decode step reads, half the copy's memory;
     # fidelity in docs/bench).
     cpu_gemm_dtype: str = "float32"
-    # Instruction sets the CPU kernels may use: "native" (all this CPU has) or "avx2" (the
-    # AVX2 build an AVX2-only CPU runs, no AVX-512 path such as bf16 compute): one machine
-    # then measures and checks the code of the other. One per process (the kernel library
+    # Instruction sets the CPU kernels may use: "native" (all this CPU has), "avx512" (no AMX
+    # tiles: bf16 mode on vdpbf16ps, as on Zen 4) or "avx2" (the AVX2 build an AVX2-only CPU
+    # runs, no AVX-512 path such as bf16 compute): one machine then measures and checks the
+    # code of the other. One per process (the kernel library
     # is). Torch's own kernels follow ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA, not this.
     cpu_isa: str = "native"
 

@@ -1,4 +1,4 @@
-"""cpu_isa "avx2": one machine runs the code an AVX2-only CPU runs. The kernel library is
+"""cpu_isa "avx2" / "avx512": one machine runs the code an AVX2-only CPU (a Zen 4) runs. The kernel library is
 built without AVX-512, paths that need it (bf16 compute) are refused as there, and the cap is
 one per process. End to end, the AVX2 build gives the native build's bits (the kernels' twins
 are bit-identical: tests/layers/*both_builds*)."""
@@ -28,6 +28,19 @@ def test_avx2_cap_hides_what_an_avx2_only_cpu_lacks(monkeypatch):
     assert not any(f.startswith("-mavx512") for f in native.build_flags())
 
 
+def test_avx512_cap_hides_amx_only(monkeypatch):
+    """cpu_isa "avx512": a Sapphire Rapids runs what a Zen 4 runs (bf16 mode on vdpbf16ps)."""
+    host = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                      "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"})
+    monkeypatch.setattr(native, "_host_flags", lambda: host)
+    monkeypatch.setattr(native, "_isa", "native")
+    assert native.has_amx_bf16()
+    monkeypatch.setattr(native, "_isa", "avx512")
+    assert native.cpu_flags() == host - {"amx_tile", "amx_bf16", "amx_int8"}
+    assert native.has_vnni() and native.has_avx512_bf16() and not native.has_amx_bf16()
+    assert "-mavx512vnni" in native.build_flags()
+
+
 @pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel"])
 def test_tiled_gemm_prefetch_is_built_into_avx2_builds_and_intels_vnni_build(vendor, monkeypatch):
     """The AVX2 build prefetches on every vendor (Zen 3 measured ahead at 1-2 rows); the VNNI
@@ -50,7 +63,7 @@ def test_one_isa_per_process(monkeypatch):
     monkeypatch.setattr(native, "_isa", "native")
     monkeypatch.setattr(native, "_status", native.BuildStatus())
     with pytest.raises(ValueError, match="cpu_isa must be one of"):
-        native.use_isa("avx512")
+        native.use_isa("sse")
     native.use_isa("avx2")                      # nothing built yet: the cap moves
     assert native.isa() == "avx2"
     monkeypatch.setattr(native, "_status", native.BuildStatus(tried=True))

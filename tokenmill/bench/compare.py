@@ -92,7 +92,8 @@ def add_parser(sub) -> None:
                         "without AVX-512 (cpu_isa), and torch's and oneDNN's capped too "
                         "(ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2 in each engine's "
                         "process); llama.cpp runs what its build has (see its system_info: "
-                        "pair with --llamacpp-python). bf16 rows need AVX-512 and say so")
+                        "pair with --llamacpp-python). bf16 rows need AVX-512 and say so. avx512: "
+                        "no AMX tiles (tokenmill's bf16 mode and oneDNN's), as on Zen 4")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="tokenmill rows' KV cache (auto: float32, and bfloat16 for the bf16 row, "
                         "as vLLM's bf16 row keeps its K/V; fp16 matches llama.cpp's f16 K/V)")
@@ -165,7 +166,9 @@ def _missing_python(python: str) -> Optional[str]:
 # -- one engine in its own process ----------------------------------------------------------------
 # what --cpu-isa avx2 sets in each engine's process: torch's and oneDNN's own kernels as on an
 # AVX2-only CPU (they read these at load; tokenmill's kernels follow its cpu_isa setting)
-AVX2_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+# (--cpu-isa avx512: oneDNN without AMX tiles, as on Zen 4)
+ISA_ENV = {"avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+           "avx512": {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}}
 
 
 def run_engine(spec: dict, timeout: float) -> dict:
@@ -175,8 +178,7 @@ def run_engine(spec: dict, timeout: float) -> dict:
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         env = dict(os.environ, OMP_NUM_THREADS=str(spec["num_threads"]))
-        if spec.get("cpu_isa") == "avx2":
-            env.update(AVX2_ENV)
+        env.update(ISA_ENV.get(spec.get("cpu_isa"), {}))
         python = spec.get("python") or sys.executable
         if python != sys.executable:   # another environment: it imports this tokenmill's peers
             root = os.path.dirname(os.path.dirname(os.path.abspath(compare_contexts.__file__)))

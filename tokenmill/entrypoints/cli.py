@@ -86,9 +86,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tiled bf16 copy, activations rounded to bf16, fp32 sums: faster "
                         "prefill, batches and decode, small accuracy cost")
     g.add_argument("--cpu-isa", default="native", choices=CPU_ISAS,
-                   help="instruction sets of the CPU kernels: native (all this CPU has) or avx2 "
-                        "(the build an AVX2-only CPU runs, no AVX-512 path: to measure or check "
-                        "that code on an AVX-512 machine)")
+                   help="instruction sets of the CPU kernels: native (all this CPU has), avx512 "
+                        "(no AMX tiles: bf16 mode on AVX-512 BF16, as on Zen 4) or avx2 (the "
+                        "build an AVX2-only CPU runs, no AVX-512 path): to measure or check "
+                        "another CPU's code on this one")
     g.add_argument("--speculative-config", default=None,
                    help='speculative decoding, JSON: e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     g.add_argument("--speculative-model", default=None, help="draft model, or [ngram] for prompt lookup")

@@ -56,9 +56,10 @@ _NEEDED_CPU_FLAGS = {"avx2", "fma", "f16c"}
 
 
 # Instruction sets the kernels may use (ModelConfig.cpu_isa, one of CPU_ISAS): "native" = all
-# this CPU has; "avx2" = what an AVX2-only CPU (AMD Zen 3, Intel before Ice Lake) has: the
-# AVX2 build of the library, and no path that needs AVX-512 (bf16 compute). It lets one
-# machine measure and check the AVX2 code that such CPUs run.
+# this CPU has; "avx512" = no AMX (bf16 mode on vdpbf16ps, as a Zen 4 runs it); "avx2" = what
+# an AVX2-only CPU (AMD Zen 3, Intel before Ice Lake) has: the AVX2 build of the library,
+# and no path that needs AVX-512 (bf16 compute). It lets one machine measure and check the
+# code that other CPUs run.
 # Flags an AVX2-only x86-64 CPU does not report (AVX-VNNI: Alder Lake's VEX form, unused here)
 _ABOVE_AVX2 = ("avx512", "amx", "avx_vnni")
 _isa = "native"
@@ -77,10 +78,12 @@ def _host_flags() -> frozenset:
 
 def cpu_flags() -> frozenset:
     """This CPU's flags as the kernels may use them: all of them, or under cpu_isa "avx2"
-    those an AVX2-only CPU reports."""
+    those an AVX2-only CPU reports ("avx512": all but AMX's)."""
     flags = _host_flags()
     if _isa == "avx2":
         flags = frozenset(f for f in flags if not f.startswith(_ABOVE_AVX2))
+    elif _isa == "avx512":
+        flags = frozenset(f for f in flags if not f.startswith("amx"))
     return flags
 
 
