@@ -77,3 +77,13 @@ def test_load_summary_names_the_tensor_parallel_ranks():
              "kv_cache": 1 << 20, "tensor_parallel_size": 3}
     assert load_summary("m", 1.0, stats).endswith(", over 3 tensor-parallel ranks)")
     assert "ranks" not in load_summary("m", 1.0, {**stats, "tensor_parallel_size": 1})
+
+
+def test_load_summary_counts_the_copies_made_at_load():
+    """bf16 mode's tiles (or oneDNN's copy) are weights the line shows too: without them a
+    bf16-mode SmolLM2 read "weights 4.3 MB" (its norms) for ~270 MB of tiles."""
+    stats = {"model_weights": 4 << 20, "num_total_blocks": 4, "kv_capacity_tokens": 64,
+             "kv_cache": 1 << 20}
+    assert "(weights 4.2 MB, KV" in load_summary("m", 1.0, stats)
+    line = load_summary("m", 1.0, {**stats, "prepacked_weights": 256 << 20})
+    assert "(weights 4.2 MB + 268 MB tiled / prepacked, KV" in line

@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from tokenmill.config import KV_CACHE_DTYPES
+from tokenmill.config import CPU_ISAS, KV_CACHE_DTYPES
 
 
 def _cache_dir():
@@ -62,6 +62,8 @@ def add_eval_parser(sub) -> None:
                    help="activations of int8 / int4 weight matmuls (q8: llama.cpp's integer dots)")
     p.add_argument("--cpu-gemm-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="bfloat16: matmuls on a tiled bf16 copy (AVX-512 BF16 CPUs)")
+    p.add_argument("--cpu-isa", default="native", choices=list(CPU_ISAS),
+                   help="instruction sets of the CPU kernels (avx512: bf16 mode without AMX tiles)")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", action="store_true", help="only the JSON line")
     p.set_defaults(func=cmd_eval_ppl)
@@ -72,7 +74,8 @@ def cmd_eval_ppl(args) -> int:
     result = evaluate(args.model, args.quantization, args.max_tokens, args.context_len,
                       kl_base=args.kl_base, num_threads=args.num_threads, cache_dir=_cache_dir(),
                       kv_cache_dtype=args.kv_cache_dtype, chunk_size=args.chunk_size,
-                      quant_activations=args.quant_activations, cpu_gemm_dtype=args.cpu_gemm_dtype)
+                      quant_activations=args.quant_activations, cpu_gemm_dtype=args.cpu_gemm_dtype,
+                      cpu_isa=args.cpu_isa)
     if not args.json:
         for key, value in result.items():
             print(f"{key:>16}: {value}")

@@ -16,16 +16,19 @@ from typing import Optional
 
 import torch
 
+from tokenmill.layers import native
+
 
 def _llm(model: str, quantization: Optional[str], context_len: int, num_threads, cache_dir,
          kv_cache_dtype: str = "auto", chunk_size: Optional[int] = None,
-         quant_activations: str = "fp32", cpu_gemm_dtype: str = "float32"):
+         quant_activations: str = "fp32", cpu_gemm_dtype: str = "float32",
+         cpu_isa: str = "native"):
     from tokenmill import LLM
     return LLM(model=model, quantization=quantization, num_threads=num_threads,
                cache_dir=cache_dir, enable_prefix_caching=False, max_model_len=context_len + 8,
                max_num_batched_tokens=chunk_size or context_len + 8, max_num_seqs=1,
                kv_cache_dtype=kv_cache_dtype, quant_activations=quant_activations,
-               cpu_gemm_dtype=cpu_gemm_dtype)
+               cpu_gemm_dtype=cpu_gemm_dtype, cpu_isa=cpu_isa)
 
 
 class _LogitTap:
@@ -66,20 +69,21 @@ def evaluate(model: str, quantization: Optional[str] = None, max_tokens: int = 4
              context_len: int = 512, kl_base: Optional[str] = None, num_threads=None,
              cache_dir: Optional[str] = None, kv_cache_dtype: str = "auto",
              chunk_size: Optional[int] = None, quant_activations: str = "fp32",
-             cpu_gemm_dtype: str = "float32") -> dict:
+             cpu_gemm_dtype: str = "float32", cpu_isa: str = "native") -> dict:
     """``chunk_size``: prefill tokens per step (None = a whole window in one step);
     ``quant_activations``: "q8" scores the int8-activation path of packed linears;
-    ``cpu_gemm_dtype``: "bfloat16" scores the bf16 compute mode (every float matmul in bf16)."""
+    ``cpu_gemm_dtype``: "bfloat16" scores the bf16 compute mode (every float matmul in bf16);
+    ``cpu_isa``: "avx512" scores it on vdpbf16ps where the CPU has AMX tiles (one per process)."""
     from tokenmill.quantization.calibration import text_token_windows
     t0 = time.time()
     llm = _llm(model, quantization, context_len, num_threads, cache_dir, kv_cache_dtype, chunk_size,
-               quant_activations, cpu_gemm_dtype)
+               quant_activations, cpu_gemm_dtype, cpu_isa)
     num_windows = math.ceil(max_tokens / (context_len - 1))
     windows = text_token_windows(llm.get_tokenizer(), "evaluation", num_windows, context_len, cache_dir)
     base = None
     if kl_base:
         base = _llm(model if kl_base == "same" else kl_base, None, context_len, num_threads,
-                    cache_dir, chunk_size=chunk_size)
+                    cache_dir, chunk_size=chunk_size, cpu_isa=cpu_isa)
     taps = (_LogitTap(llm.engine.model), _LogitTap(base.engine.model)) if base else (None, None)
     nll, count, kl_sum = 0.0, 0, 0.0
     try:
@@ -100,6 +104,7 @@ def evaluate(model: str, quantization: Optional[str] = None, max_tokens: int = 4
               "perplexity": round(math.exp(nll / count), 4), "num_tokens": count,
               "context_len": context_len, "weight_bytes": llm.engine.weight_bytes,
               "quant_activations": quant_activations, "cpu_gemm_dtype": cpu_gemm_dtype,
+              "cpu_isa": cpu_isa, "bf16_matmul": native.bf16_kernel() if cpu_gemm_dtype == "bfloat16" else None,
               "kv_cache_dtype": kv_cache_dtype, "chunk_size": chunk_size or context_len + 8,
               "kv_bytes_per_token": llm.engine.kv_bytes_per_token,
               "kv_capacity_tokens": llm.get_memory_stats()["kv_capacity_tokens"],

@@ -88,11 +88,14 @@ def _isatty(stream: TextIO) -> bool:
 
 def load_summary(name: str, seconds: float, memory_stats: dict) -> str:
     """One line from an engine's ``get_memory_stats()``: what was loaded, how long it took,
-    the weights' size and the KV cache's capacity."""
+    the weights' size (the parameters, then any tiled / prepacked copies made at load: in
+    bf16 mode the tiles are most of the model) and the KV cache's capacity."""
     m = memory_stats
     tp = m.get("tensor_parallel_size", 1)
     split = f", over {tp} tensor-parallel ranks" if tp > 1 else ""
-    return (f"loaded {name} in {seconds:.1f} s (weights {format_bytes(m['model_weights'])}, "
+    copies = m.get("prepacked_weights", 0)
+    copies = f" + {format_bytes(copies)} tiled / prepacked" if copies else ""
+    return (f"loaded {name} in {seconds:.1f} s (weights {format_bytes(m['model_weights'])}{copies}, "
             f"KV cache {m['num_total_blocks']} blocks / {m['kv_capacity_tokens']} tokens, "
             f"{format_bytes(m['kv_cache'])}{split})")
 
