@@ -66,3 +66,21 @@ def looping_llama_dir(tmp_path_factory):
 def tiny_llama_hf(tiny_llama_dir):
     import transformers
     return transformers.LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(params=["avx512", "amx"])
+def bf16_kernel(request):
+    """Each bf16 matmul kernel this CPU has, switched on for the test (bf16 mode's tests):
+    vdpbf16ps everywhere bf16 mode runs, AMX tiles where the CPU has them (the process's
+    default there)."""
+    from tokenmill.layers import native
+    if not native.has_avx512_bf16():
+        pytest.skip("CPU without AVX-512 BF16")
+    if request.param == "amx" and not native.has_amx_bf16():
+        pytest.skip("CPU without AMX-BF16")
+    lib = native.require()
+    was = lib.tm_amx_active()
+    if lib.tm_amx_enable(int(request.param == "amx")):
+        pytest.skip("the kernel refused AMX tile state")
+    yield request.param
+    lib.tm_amx_enable(was)

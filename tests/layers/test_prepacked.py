@@ -137,20 +137,6 @@ def test_unknown_gemm_dtype_is_a_clear_error():
         ModelConfig(model="x", cpu_gemm_dtype="float16")
 
 
-@pytest.fixture(params=["avx512", "amx"])
-def bf16_kernel(request):
-    """Each bf16 matmul kernel this CPU has, switched on for the test: vdpbf16ps everywhere
-    bf16 mode runs, AMX tiles where the CPU has them (the process's default there)."""
-    if request.param == "amx" and not native.has_amx_bf16():
-        pytest.skip("CPU without AMX-BF16")
-    lib = native.require()
-    was = lib.tm_amx_active()
-    if lib.tm_amx_enable(int(request.param == "amx")):
-        pytest.skip("the kernel refused AMX tile state")
-    yield request.param
-    lib.tm_amx_enable(was)
-
-
 _BF16_CASES = [(rows, n, k) for rows in (1, 7, 8, 9, 15, 16, 17, 33, 40, 64, 65, 137)
                for n, k in ((16, 2), (48, 96), (80, 34))] \
     + [(rows, 16, 4096) for rows in (1, 17, 65, 137)]

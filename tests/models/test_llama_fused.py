@@ -78,9 +78,9 @@ def test_fused_stack_is_bit_identical_to_the_modules(model_dir, monkeypatch, tmp
             assert {t: v.logprob for t, v in la.items()} == {t: v.logprob for t, v in lb.items()}
 
 
-@pytest.mark.skipif(not native.has_avx512_bf16(), reason="CPU without AVX-512 BF16")
 @pytest.mark.parametrize("batch", [3, 24])
-def test_fused_stack_in_bf16_mode_is_bit_identical_to_the_modules(model_dir, monkeypatch, batch):
+def test_fused_stack_in_bf16_mode_is_bit_identical_to_the_modules(model_dir, monkeypatch, batch,
+                                                                  bf16_kernel):
     """cpu_gemm_dtype bfloat16: steps of 17-64 rows (24 here) take the tiled bf16 kernel in
     the C stack and in the modules alike; fewer stay float32."""
     from tokenmill.layers import prepacked

@@ -5,7 +5,6 @@ drafter is harmless; counters; nothing held at idle."""
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers import native
 from tokenmill.request import RequestStatus
 
 PROMPTS = [[(17 * i + 5 * j) % 380 + 3 for j in range(n)] for i, n in
@@ -66,12 +65,12 @@ def test_greedy_equals_plain_in_mixed_batch(tiny_llama_dir, draft_dir, plain, me
     assert sum(stats["spec_accepted_per_position"]) == stats["spec_num_accepted_tokens"]
 
 
-@pytest.mark.skipif(not native.has_avx512_bf16(), reason="CPU without AVX-512 BF16")
 @pytest.mark.parametrize("method", ["ngram", "eagle3", "eagle3_tree"])
-def test_greedy_equals_plain_in_bf16_mode(tiny_llama_dir, draft_dir, method):
+def test_greedy_equals_plain_in_bf16_mode(tiny_llama_dir, draft_dir, method, bf16_kernel):
     """cpu_gemm_dtype bfloat16 multiplies decode rows, verify steps and prefill chunks on the
     bf16 tiles: a row's bits do not depend on how many rows share its matmul, so speculation
-    (k + 1 rows a verify step) still gives plain decoding's tokens (one row a step)."""
+    (k + 1 rows a verify step) still gives plain decoding's tokens (one row a step), on
+    vdpbf16ps and on AMX tiles alike."""
     params, prompts = greedy(logprobs=1), [{"prompt_token_ids": p} for p in PROMPTS]
     plain16 = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=256,
                   cpu_gemm_dtype="bfloat16")
