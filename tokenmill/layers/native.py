@@ -281,7 +281,6 @@ class BuildStatus:
     error: Optional[str] = None
     seconds: float = 0.0
     tried: bool = False
-    amx: bool = False       # bf16 matmuls on AMX tiles (granted and enabled at load)
 
 
 _status = BuildStatus()
@@ -299,8 +298,7 @@ def build_library(source: str = SOURCE, build_dir: Optional[str] = None,
         try:
             status.path = build_shared_library(source, build_dir, timeout_s=timeout_s)
             status.lib = declare(ctypes.CDLL(status.path))
-            status.amx = has_amx_bf16() and status.lib.tm_amx_enable(1) == 0
-            if has_amx_bf16() and not status.amx:
+            if has_amx_bf16() and status.lib.tm_amx_enable(1) != 0:
                 logger.warning("the kernel refused AMX tile state to this process; bf16 "
                                "matmuls run on AVX-512 BF16 instead (slower from 4 rows up)")
         except (OSError, KernelBuildError, AttributeError) as e:
