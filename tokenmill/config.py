@@ -63,7 +63,8 @@ class ModelConfig:
     # a tiled bf16 copy instead, which every matmul of a float32 linear takes (decode rows
     # too): weights and activations rounded to bf16, float32 sums and outputs (~2x the fp32
     # GEMM rate on Zen 4, 5-8x on AMX tiles (Sapphire Rapids+) from 16 rows up, half the bytes
-    # a decode step reads, half the copy's memory; fidelity in docs/bench).
+    # a decode step reads, half the copy's memory; fidelity in docs/bench). On AMX with a bf16
+    # KV cache, prompt chunks' attention multiplies on the tiles too (bf16 q and weights).
     cpu_gemm_dtype: str = "float32"
     # Instruction sets the CPU kernels may use: "native" (all this CPU has), "avx512" (no AMX
     # tiles: bf16 mode on vdpbf16ps, as on Zen 4) or "avx2" (the AVX2 build an AVX2-only CPU

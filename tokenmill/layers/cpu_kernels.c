@@ -5,6 +5,7 @@
 #include "cpu_gemm_bf16.c"
 #include "cpu_attention.c"
 #include "cpu_prefill.c"
+#include "cpu_prefill_amx.c"
 #include "quant/qmm.c"
 #include "cpu_decode_linear.c"
 #include "cpu_decode.c"

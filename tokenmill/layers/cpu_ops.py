@@ -359,12 +359,20 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_tables: torch.Tensor, q_start: torch.Tensor, q_len: torch.Tensor,
                       seq_len: torch.Tensor, scale: float, sliding_window: Optional[int],
-                      out: torch.Tensor) -> bool:
+                      out: torch.Tensor, bf16_math: bool = False) -> bool:
     """paged_attention for prefill chunks (any number of query rows per request; float32 /
     float16 / bfloat16 caches holding every key the rows see): each row's bits depend on
     the row alone (cpu_prefill.c), so a prompt prefilled after a prefix-cache hit, or in
     chunks, equals the same prompt prefilled cold at once. False when not applicable (an
-    int8 cache, a head size or GQA group the kernel does not take): nothing written."""
+    int8 cache, a head size or GQA group the kernel does not take): nothing written.
+    ``bf16_math`` (bf16 mode): on a bfloat16 cache with head size % 32 == 0 where bf16
+    matmuls take AMX tiles, q . k and p . v are tile products of bf16-rounded values
+    (cpu_prefill_amx.c; the same row-alone bits); anywhere else the float32 kernel."""
+    if bf16_math and k_cache.dtype is torch.bfloat16 and query.shape[2] % 32 == 0 \
+            and native.bf16_kernel() == "amx" and _attention_kernel(
+                "tm_prefill_attention_bf16", query, k_cache, v_cache, block_tables, q_start,
+                q_len, seq_len, scale, sliding_window, out):
+        return True
     return bool(_attention_kernel("tm_prefill_attention", query, k_cache, v_cache, block_tables,
                                   q_start, q_len, seq_len, scale, sliding_window, out))
 

@@ -371,6 +371,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                 p, p, p, f32, i64, p, i32], i32),
         "tm_prefill_attention": ([p, i64, i64, i64, p, p, p, p, i32, i64, i64, p, i64, i64, p,
                                   p, p, f32, i64, p, i32], i32),
+        "tm_prefill_attention_bf16": ([p, i64, i64, i64, p, p, p, p, i32, i64, i64, p, i64, i64,
+                                       p, p, p, f32, i64, p, i32], i32),
         "tm_llama_decode": ([p, i64, i64, i64, p, p, p, p, p, i32, i64, i64, i64, i64, p, i64,
                              p, i64, p, p, p, p, p, p, i32, i32, p, p, i64], i32),
         "tm_qmm": ([p, i64, i64, p, p, p, i64, i64, i32, p, i32], None),

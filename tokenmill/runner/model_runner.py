@@ -46,7 +46,8 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype, attention_backend: str = "auto",
                  seed: int = 0, torch_compile: bool = False, cpu_kernels: bool = True,
                  faults: Optional[FaultInjector] = None, cuda_graphs: bool = False,
-                 max_num_seqs: int = 64, max_model_len: int = 2048) -> None:
+                 max_num_seqs: int = 64, max_model_len: int = 2048,
+                 bf16_prefill: bool = False) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -61,8 +62,9 @@ class ModelRunner:
                                         model.num_kv_heads, a.head_dim, dtype, device)
             for layer, cache in zip(group.layers, caches):
                 self.kv_caches[layer] = cache
+        # bf16_prefill (bf16 mode): prompt chunks' attention on bf16 tiles where they run
         self.backend = get_attention_backend(attention_backend, cpu_kernels, device,
-                                             model.num_kv_heads)
+                                             model.num_kv_heads, bf16_prefill=bf16_prefill)
         if torch_compile:
             compile_layers(model, self.backend)
         # decode steps replayed from CUDA graphs (runner/cuda_graphs.py); None: always eager

@@ -145,7 +145,8 @@ class RankWorker:
                                   _dtype(s.kv_dtype), s.attention_backend, seed=s.seed,
                                   torch_compile=s.torch_compile, cpu_kernels=s.cpu_kernels,
                                   faults=faults, cuda_graphs=not s.enforce_eager,
-                                  max_num_seqs=s.max_num_seqs, max_model_len=s.max_model_len)
+                                  max_num_seqs=s.max_num_seqs, max_model_len=s.max_model_len,
+                                  bf16_prefill=s.cpu_gemm_dtype == "bfloat16")
         if s.speculative is None or s.rank != 0:
             return 0
         from tokenmill.spec.decoder import build_spec_decoder

@@ -97,9 +97,10 @@ def _triton_installed() -> bool:
 
 def get_attention_backend(name: str = "auto", cpu_kernels: bool = True,
                           device: torch.device = torch.device("cpu"),
-                          num_kv_heads: int = 1) -> AttentionBackend:
+                          num_kv_heads: int = 1, bf16_prefill: bool = False) -> AttentionBackend:
     """Return a backend by name: "reference", "cpu", "triton" or "auto" (``cpu_kernels``:
-    whether the CPU backend may use the fused C kernel; ``num_kv_heads``: this rank's).
+    whether the CPU backend may use the fused C kernel; ``num_kv_heads``: this rank's;
+    ``bf16_prefill``: bf16 mode, whose prompt chunks the CPU backend attends on bf16 tiles).
 
     "auto" picks by device (see resolve_backend_name). Imports are lazy so that backends
     may import this module without a cycle, and so that Triton never loads unless asked for.
@@ -110,7 +111,7 @@ def get_attention_backend(name: str = "auto", cpu_kernels: bool = True,
         return TritonAttention(device, num_kv_heads)
     if name in ("cpu", "auto"):
         from tokenmill.layers.attention.cpu import CpuAttention
-        return CpuAttention(cpu_kernels)
+        return CpuAttention(cpu_kernels, bf16_prefill)
     if name == "reference":
         from tokenmill.layers.attention.reference import ReferenceAttention
         return ReferenceAttention()

@@ -37,12 +37,16 @@ MAX_BATCHED_QUERY_LEN = 8
 
 class CpuAttention(AttentionBackend):
     """``cpu_kernels``: short runs on float32 CPU caches go through the fused C kernel
-    (cpu_attention.c) where the library runs; False keeps every step in PyTorch."""
+    (cpu_attention.c) where the library runs; False keeps every step in PyTorch.
+    ``bf16_prefill`` (bf16 mode): prompt runs take cpu_ops.prefill_attention's bf16 tile
+    kernel where it runs (a bfloat16 cache, AMX); other long runs (speculative ones) keep
+    the float32 kernel, whatever shares their step."""
 
     name = "cpu"
 
-    def __init__(self, cpu_kernels: bool = True) -> None:
+    def __init__(self, cpu_kernels: bool = True, bf16_prefill: bool = False) -> None:
         self.cpu_kernels = cpu_kernels
+        self.bf16_prefill = bf16_prefill
 
     @property
     def supports_draft_trees(self) -> bool:
@@ -75,18 +79,31 @@ class CpuAttention(AttentionBackend):
             _batched_short(query, k_cache, v_cache, meta, short, scale, sliding_window, out)
         long = [b for b, q in enumerate(meta.query_lens)
                 if not trees[b] and (q > MAX_BATCHED_QUERY_LEN or meta.is_prompt_run(b))]
-        if long and not (self.cpu_kernels and _fused(cpu_ops.prefill_attention, query, k_cache,
-                                                     v_cache, meta, long, scale, sliding_window, out)):
-            starts = _starts(meta.query_lens)
-            for b in long:
-                s, e = starts[b], starts[b] + meta.query_lens[b]
-                out[s:e] = _prefill_one(
-                    query[s:e], key[s:e], value[s:e], k_cache, v_cache,
-                    meta.block_tables[b], meta.seq_lens_list[b], scale, sliding_window,
-                    meta.plan_cache,
-                ).to(out.dtype)
+        groups = [(long, False)]
+        if self.bf16_prefill:   # a run's kernel depends on the run alone, not on its step
+            groups = [([b for b in long if meta.is_prompt_run(b)], True),
+                      ([b for b in long if not meta.is_prompt_run(b)], False)]
+        for reqs, bf16 in groups:
+            if reqs and not (self.cpu_kernels and _fused(
+                    cpu_ops.prefill_attention, query, k_cache, v_cache, meta, reqs, scale,
+                    sliding_window, out, bf16_math=bf16)):
+                self._prefill_each(query, key, value, k_cache, v_cache, meta, reqs, scale,
+                                   sliding_window, out)
         return out
 
+    @staticmethod
+    def _prefill_each(query, key, value, k_cache, v_cache, meta: AttentionMetadata,
+                      long: list[int], scale: float, sliding_window: Optional[int],
+                      out: torch.Tensor) -> None:
+        """Long runs one request at a time through SDPA (the C kernels do not take them)."""
+        starts = _starts(meta.query_lens)
+        for b in long:
+            s, e = starts[b], starts[b] + meta.query_lens[b]
+            out[s:e] = _prefill_one(
+                query[s:e], key[s:e], value[s:e], k_cache, v_cache,
+                meta.block_tables[b], meta.seq_lens_list[b], scale, sliding_window,
+                meta.plan_cache,
+            ).to(out.dtype)
 
     def _draft_trees(self, query, k_cache, v_cache, meta: AttentionMetadata, reqs: list[int],
                      scale: float, sliding_window: Optional[int], out: torch.Tensor) -> None:
@@ -145,7 +162,7 @@ def _batched_short(
 
 def _fused(kernel, query, k_cache, v_cache, meta: AttentionMetadata, reqs: list[int], scale: float,
            sliding_window: Optional[int], out: torch.Tensor,
-           q_pos: Optional[torch.Tensor] = None) -> bool:
+           q_pos: Optional[torch.Tensor] = None, **kernel_args) -> bool:
     """The requests ``reqs`` through one C kernel call (cpu_ops.paged_attention for short
     runs, cpu_ops.prefill_attention for prefill chunks): no gather, no padding, one call per
     layer. False when it does not apply; the PyTorch path then runs. ``q_pos``: every query
@@ -165,7 +182,7 @@ def _fused(kernel, query, k_cache, v_cache, meta: AttentionMetadata, reqs: list[
     tables, q_start, q_len, seq_len = plan
     tree = {} if q_pos is None else {"q_pos": q_pos}
     return kernel(query, k_cache, v_cache, tables, q_start, q_len, seq_len, scale, sliding_window,
-                  out, **tree)
+                  out, **tree, **kernel_args)
 
 
 def _short_plan(meta: AttentionMetadata, reqs: list[int], sliding_window: Optional[int],
