@@ -84,3 +84,17 @@ def bf16_kernel(request):
         pytest.skip("the kernel refused AMX tile state")
     yield request.param
     lib.tm_amx_enable(was)
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm2_chat_dir(tmp_path_factory):
+    """A tiny random Llama that speaks SmolLM2's tokenizer and chat template (1024 positions).
+    Skipped where the SmolLM2 files are not cached and cannot be fetched."""
+    from tokenmill.models.hub import resolve_model
+    from tokenmill.models.loader import load_tokenizer
+    try:
+        tok = load_tokenizer(resolve_model("smollm2-135m"))
+    except Exception as e:  # no network and no cache
+        pytest.skip(f"SmolLM2 tokenizer unavailable: {e}")
+    return save_tiny_chat_llama(tmp_path_factory.mktemp("tiny_smollm2_chat"), tok,
+                                max_position_embeddings=1024)

@@ -9,19 +9,6 @@ from tokenmill.layers import native
 from tokenmill.quantization import calibration, ppl
 
 
-@pytest.fixture(scope="module")
-def tiny_text_dir(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's tokenizer (evaluate asks the engine for it)."""
-    from tests.conftest import save_tiny_chat_llama
-    from tokenmill.models.hub import resolve_model
-    from tokenmill.models.loader import load_tokenizer
-    try:
-        tok = load_tokenizer(resolve_model("smollm2-135m"))
-    except Exception as e:  # no network and no cache
-        pytest.skip(f"SmolLM2 tokenizer unavailable: {e}")
-    return save_tiny_chat_llama(tmp_path_factory.mktemp("tiny_text"), tok, max_position_embeddings=256)
-
-
 @pytest.fixture
 def random_windows(monkeypatch):
     """Windows of random token ids instead of ShareGPT text (no dataset needed)."""
@@ -31,8 +18,8 @@ def random_windows(monkeypatch):
     monkeypatch.setattr(calibration, "text_token_windows", windows)
 
 
-def test_perplexity_and_kl_to_itself(tiny_text_dir, random_windows):
-    out = ppl.evaluate(tiny_text_dir, max_tokens=96, context_len=33, kl_base="same", num_threads=2)
+def test_perplexity_and_kl_to_itself(tiny_smollm2_chat_dir, random_windows):
+    out = ppl.evaluate(tiny_smollm2_chat_dir, max_tokens=96, context_len=33, kl_base="same", num_threads=2)
     assert out["num_tokens"] == 96 and out["context_len"] == 33
     assert 1.0 < out["perplexity"] and math.isfinite(out["perplexity"])
     assert out["kl_divergence"] == 0.0   # the same model, the same bits
@@ -41,8 +28,8 @@ def test_perplexity_and_kl_to_itself(tiny_text_dir, random_windows):
 
 
 @pytest.mark.skipif(not native.has_avx512_bf16(), reason="CPU without AVX-512 BF16")
-def test_bf16_mode_is_scored_against_float32_and_names_its_kernel(tiny_text_dir, random_windows):
-    out = ppl.evaluate(tiny_text_dir, max_tokens=64, context_len=33, kl_base="same",
+def test_bf16_mode_is_scored_against_float32_and_names_its_kernel(tiny_smollm2_chat_dir, random_windows):
+    out = ppl.evaluate(tiny_smollm2_chat_dir, max_tokens=64, context_len=33, kl_base="same",
                        num_threads=2, cpu_gemm_dtype="bfloat16")
     assert out["bf16_matmul"] == native.bf16_kernel() and out["bf16_matmul"] in ("amx", "avx512")
     assert 0.0 < out["kl_divergence"] < 0.01   # rounded, and close

@@ -6,13 +6,5 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def tiny_spec_chat_dir(tmp_path_factory):
-    from tests.conftest import save_tiny_chat_llama
-    from tokenmill.models.hub import resolve_model
-    from tokenmill.models.loader import load_tokenizer
-    try:
-        tok = load_tokenizer(resolve_model("smollm2-135m"))
-    except Exception as e:  # no network and no cache
-        pytest.skip(f"SmolLM2 tokenizer unavailable: {e}")
-    path = tmp_path_factory.mktemp("tiny_spec_chat")
-    return save_tiny_chat_llama(path, tok, max_position_embeddings=1024)
+def tiny_spec_chat_dir(tiny_smollm2_chat_dir):
+    return tiny_smollm2_chat_dir
