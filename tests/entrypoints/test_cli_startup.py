@@ -19,7 +19,8 @@ from tests.conftest import save_tiny_llama
 pytestmark = pytest.mark.e2e
 CLI = [sys.executable, "-m", "tokenmill.entrypoints.cli"]
 ENGINE_FLAGS = ["--num-kv-blocks", "16", "--block-size", "16", "--num-threads", "1"]
-LOADED = re.compile(r"INFO tokenmill\.\w+: loaded (\S+) in [\d.]+ s \(weights [\d.]+ \w?B, "
+LOADED = re.compile(r"INFO tokenmill\.\w+: loaded (\S+) in [\d.]+ s \(weights [\d.]+ \w?B"
+                    r"(?: \+ [\d.]+ \w?B tiled / prepacked)?, "
                     r"KV cache 16 blocks / 256 tokens, [\d.]+ \w?B\)")
 
 
