@@ -110,8 +110,8 @@ BF_TARGET int tm_linear_bf16(const float *x, int64_t M, int64_t K, const uint16_
 /* The same product on AMX tiles (Sapphire Rapids and newer Intel CPUs): tdpbf16ps
  * multiplies a 16 x 32 bf16 block of x by a 32 x 16 block of W (one of bf16_tiles' tiles
  * over 16 k pairs is exactly AMX's B operand, rows of 16 pairs) into 16 x 16 float32 sums,
- * ~16x vdpbf16ps's products a cycle (1.2-2 TFLOP/s on 2 Sapphire Rapids cores from 16 rows
- * up, against ~200 for vdpbf16ps; at one row as fast or faster). Its sums, measured against
+ * ~16x vdpbf16ps's products a cycle (1.2-2 TFLOP/s on 2 Xeon cores from 16 rows up, against
+ * ~200 GFLOP/s for vdpbf16ps; at one or two rows 0.66-1.13x its time). Its sums, measured against
  * an emulation and as Intel's pseudo-code gives them: per 16 k pairs, the even products in
  * one float32 chain from zero and the odd ones in another, then acc += (even + odd) (denormal
  * inputs and outputs flushed to zero). cpu_ops.linear_bf16_reference has both kernels'
