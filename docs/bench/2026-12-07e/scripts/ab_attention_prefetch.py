@@ -1,5 +1,5 @@
 # in-process A/B of decode attention builds: software prefetch off (-DTM_NO_ATT_PF), and look-ahead 6 / 12 / 24 KB (-DATT_PF_BYTES, -DATT_PF_MAX_KEYS); the macros were a temporary patch of cpu_attention.c, not kept
-import ctypes, sys, time, torch
+import ctypes, time, torch
 from tokenmill.layers import native, cpu_ops
 torch.set_num_threads(2)
 native.library()

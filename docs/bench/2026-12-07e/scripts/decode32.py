@@ -1,5 +1,5 @@
 # 32 x 128-token prompts prefix-cached, then 128 decode steps at 32 sequences; usage: decode32.py DTYPE ISA [profile]
-import sys, time, torch, os, cProfile, pstats
+import sys, time, torch, cProfile, pstats
 from tokenmill import LLM, SamplingParams
 dt, isa = sys.argv[1], sys.argv[2]
 llm = LLM(model="smollm2-135m", cpu_gemm_dtype=dt, cpu_isa=isa, max_num_seqs=32, enable_prefix_caching=True, num_threads=2, kv_cache_dtype=(sys.argv[4] if len(sys.argv) > 4 else "auto"))
