@@ -1,4 +1,4 @@
-# 32 x 128-token prompts prefix-cached, then 128 decode steps at 32 sequences; usage: decode32.py DTYPE ISA [profile]
+# 32 x 128-token prompts prefix-cached, then 128 decode steps at 32 sequences; usage: decode32.py DTYPE ISA [profile|- [KV_CACHE_DTYPE]]
 import sys, time, torch, cProfile, pstats
 from tokenmill import LLM, SamplingParams
 dt, isa = sys.argv[1], sys.argv[2]
