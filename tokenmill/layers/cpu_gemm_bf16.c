@@ -141,6 +141,16 @@ int tm_amx_active(void) { return tm_amx_on; }
 
 struct amx_tilecfg { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 
+/* This thread's tiles: all eight 64 bytes wide; tiles 0-5 of ``rows`` rows (x and sums of
+ * fewer than 16 rows), 6-7 of 16 (weights). */
+AMX_TARGET static void amx_load_config(int rows) {
+    struct amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = t >= 6 ? 16 : rows; }
+    _tile_loadconfig(&cfg);
+}
+
 /* One block: rows m0 .. m0 + 16 * MT - 1 of xb ([Mpad][K] bf16) against W tiles t0 ..
  * t0 + NT - 1; sums go to y's rows below M (+ bias). Tiles 0-3 accumulate, 4-5 hold x,
  * 6-7 hold W. */
@@ -201,12 +211,7 @@ AMX_TARGET static int linear_bf16_amx(const float *x, int64_t M, int64_t K,
             else memset(xb + r * K, 0, sizeof(uint16_t) * (size_t)K);
         }
         /* Up to 16 rows: x and sums in tiles of M rows (no work on zero rows). */
-        struct amx_tilecfg cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        const int rows = M < 16 ? (int)M : 16;
-        for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = t >= 6 ? 16 : rows; }
-        _tile_loadconfig(&cfg);
+        amx_load_config(M < 16 ? (int)M : 16);
         for (int64_t p0 = 0; p0 < M; p0 += panel) {
             const int64_t p1 = M - p0 < panel ? M : p0 + panel;
             #pragma omp for schedule(static)   /* implicit barrier: the next panel reuses W */

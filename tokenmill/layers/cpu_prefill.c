@@ -279,6 +279,30 @@ static void pf_task(const att_kv *c, const float *q, int64_t q_stride, int64_t r
     }
 }
 
+/* The prefill tasks of a call: PF_ROWS query rows x one KV head of a request, request by
+ * request. pf_num_tasks counts them; pf_task_at gives task's request b, KV head g, first
+ * row r0 (within the request's rows) and row count nr. */
+typedef struct { int64_t b, g, r0, nr; } pf_where;
+
+static inline int64_t pf_request_tasks(int64_t q_len, int64_t Hkv) {
+    return (q_len + PF_ROWS - 1) / PF_ROWS * Hkv;
+}
+
+static int64_t pf_num_tasks(const int64_t *q_len, int64_t B, int64_t Hkv) {
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; b++) n += pf_request_tasks(q_len[b], Hkv);
+    return n;
+}
+
+static inline pf_where pf_task_at(int64_t task, const int64_t *q_len, int64_t Hkv) {
+    pf_where w = {0, 0, 0, 0};
+    while (task >= pf_request_tasks(q_len[w.b], Hkv)) task -= pf_request_tasks(q_len[w.b++], Hkv);
+    w.g = task % Hkv;
+    w.r0 = task / Hkv * PF_ROWS;
+    w.nr = q_len[w.b] - w.r0 < PF_ROWS ? q_len[w.b] - w.r0 : PF_ROWS;
+    return w;
+}
+
 /* Prefill attention of the requests of a batch (their query rows, any count, end at position
  * seq_len - 1; the cache already holds every key they see) from float caches (dt: KV_F32 /
  * KV_F16 / KV_BF16; D % 16 == 0). Same arguments as tm_paged_attention (the int8 scales
@@ -292,21 +316,14 @@ int tm_prefill_attention(const float *q, int64_t q_stride, int64_t Hq, int64_t D
                          float scale, int64_t window, float *out, int nthreads) {
     if (dt == KV_I8 || k_scale || v_scale || D % 16 || Hq % Hkv || Hq / Hkv > ATT_MAX_G) return 1;
     const att_kv c = {k_cache, v_cache, NULL, NULL, dt, Hq, Hkv, D, bs, scale};
-    int64_t ntasks = 0;
-    for (int64_t b = 0; b < B; b++) ntasks += (q_len[b] + PF_ROWS - 1) / PF_ROWS * Hkv;
+    const int64_t ntasks = pf_num_tasks(q_len, B, Hkv);
     float *bufs = (float *)malloc(sizeof(float) * (size_t)(nthreads * pf_buf_floats(&c)));
     if (!bufs) return 1;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
     for (int64_t task = 0; task < ntasks; task++) {
-        int64_t b = 0, rest = task;   /* request b, then its tile and KV head */
-        while (rest >= (q_len[b] + PF_ROWS - 1) / PF_ROWS * Hkv) {
-            rest -= (q_len[b] + PF_ROWS - 1) / PF_ROWS * Hkv;
-            b++;
-        }
-        const int64_t tile = rest / Hkv, g = rest % Hkv, r0 = tile * PF_ROWS;
-        const int64_t nr = q_len[b] - r0 < PF_ROWS ? q_len[b] - r0 : PF_ROWS;
-        pf_task(&c, q, q_stride, q_start[b] + r0, nr, seq_len[b] - q_len[b] + r0, g,
-                block_tables + b * bt_stride, window, out,
+        const pf_where w = pf_task_at(task, q_len, Hkv);
+        pf_task(&c, q, q_stride, q_start[w.b] + w.r0, w.nr, seq_len[w.b] - q_len[w.b] + w.r0,
+                w.g, block_tables + w.b * bt_stride, window, out,
                 bufs + (int64_t)omp_get_thread_num() * pf_buf_floats(&c));
     }
     free(bufs);

@@ -38,19 +38,13 @@ static void pa_lay_out(const att_kv *c, const int64_t *table, int64_t g, int64_t
         for (int64_t j = 0; j < PA_KB; j++) {
             const int64_t pos = (kb0 + b) * PA_KB + j, half = j / 16, key = j % 16;
             const int64_t kp = j / 2, parity = j % 2;
-            if (pos < n_keys) {
-                const uint32_t *k = (const uint32_t *)pf_row(c, c->k_cache, table, g, pos);
-                const uint16_t *v = (const uint16_t *)pf_row(c, c->v_cache, table, g, pos);
-                for (int64_t dp = 0; dp < D2; dp++)
-                    kt[((half * dt32 + dp / 16) * 16 + dp % 16) * 16 + key] = k[dp];
-                for (int64_t d = 0; d < D; d++)
-                    vt[(((d / 16) * 16 + kp) * 16 + d % 16) * 2 + parity] = v[d];
-            } else {
-                for (int64_t dp = 0; dp < D2; dp++)
-                    kt[((half * dt32 + dp / 16) * 16 + dp % 16) * 16 + key] = 0;
-                for (int64_t d = 0; d < D; d++)
-                    vt[(((d / 16) * 16 + kp) * 16 + d % 16) * 2 + parity] = 0;
-            }
+            const int real = pos < n_keys;
+            const uint32_t *k = real ? (const uint32_t *)pf_row(c, c->k_cache, table, g, pos) : NULL;
+            const uint16_t *v = real ? (const uint16_t *)pf_row(c, c->v_cache, table, g, pos) : NULL;
+            for (int64_t dp = 0; dp < D2; dp++)
+                kt[((half * dt32 + dp / 16) * 16 + dp % 16) * 16 + key] = real ? k[dp] : 0;
+            for (int64_t d = 0; d < D; d++)
+                vt[(((d / 16) * 16 + kp) * 16 + d % 16) * 2 + parity] = real ? v[d] : 0;
         }
     }
 }
@@ -191,13 +185,13 @@ AMX_TARGET int tm_prefill_attention_bf16(
     /* each request's key blocks: from its first row's first visible key to its last row */
     int64_t *kb0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * B)), *off = NULL;
     if (!kb0) return 1;
-    int64_t *nkb = kb0 + B, total = 0, ntasks = 0;
+    int64_t *nkb = kb0 + B, total = 0;
+    const int64_t ntasks = pf_num_tasks(q_len, B, Hkv);
     for (int64_t b = 0; b < B; b++) {
         const int64_t first = window_first(seq_len[b] - q_len[b], window);
         kb0[b] = first / PA_KB;
         nkb[b] = q_len[b] > 0 ? (seq_len[b] - 1) / PA_KB - kb0[b] + 1 : 0;
         total += nkb[b];
-        ntasks += (q_len[b] + PF_ROWS - 1) / PF_ROWS * Hkv;
     }
     /* per key block and KV head: k^T (D / 2 x 32 dwords) and v (D x 32 values) */
     const int64_t kt_block = 2 * (D / 32) * 256, vt_block = (D / 16) * 512;
@@ -217,31 +211,21 @@ AMX_TARGET int tm_prefill_attention_bf16(
         #pragma omp for schedule(dynamic, 1)
         for (int64_t bg = 0; bg < B * Hkv; bg++) {
             const int64_t b = bg / Hkv, g = bg % Hkv;
-            pa_layout lay = {kt + (off[b] * Hkv + g * nkb[b]) * kt_block,
-                             vt + (off[b] * Hkv + g * nkb[b]) * vt_block, kb0[b], nkb[b]};
+            const int64_t at = off[b] * Hkv + g * nkb[b];
+            pa_layout lay = {kt + at * kt_block, vt + at * vt_block, kb0[b], nkb[b]};
             pa_lay_out(&c, block_tables + b * bt_stride, g, kb0[b], nkb[b], seq_len[b], &lay);
         }
-        struct amx_tilecfg cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
-        _tile_loadconfig(&cfg);
+        amx_load_config(16);
         char *mine = scratch + (int64_t)omp_get_thread_num() * per_thread;
         uint16_t *qb = (uint16_t *)mine;
         float *o = (float *)(mine + 16 * D * 2);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < ntasks; task++) {
-            int64_t b = 0, rest = task;
-            while (rest >= (q_len[b] + PF_ROWS - 1) / PF_ROWS * Hkv) {
-                rest -= (q_len[b] + PF_ROWS - 1) / PF_ROWS * Hkv;
-                b++;
-            }
-            const int64_t tile = rest / Hkv, g = rest % Hkv, r0 = tile * PF_ROWS;
-            const int64_t nr = q_len[b] - r0 < PF_ROWS ? q_len[b] - r0 : PF_ROWS;
-            const pa_layout lay = {kt + (off[b] * Hkv + g * nkb[b]) * kt_block,
-                                   vt + (off[b] * Hkv + g * nkb[b]) * vt_block, kb0[b], nkb[b]};
-            pa_task(&c, &lay, q, q_stride, q_start[b] + r0, nr, seq_len[b] - q_len[b] + r0, g,
-                    window, out, qb, o);
+            const pf_where w = pf_task_at(task, q_len, Hkv);
+            const int64_t b = w.b, at = off[b] * Hkv + w.g * nkb[b];
+            const pa_layout lay = {kt + at * kt_block, vt + at * vt_block, kb0[b], nkb[b]};
+            pa_task(&c, &lay, q, q_stride, q_start[b] + w.r0, w.nr, seq_len[b] - q_len[b] + w.r0,
+                    w.g, window, out, qb, o);
         }
         _tile_release();
     }
