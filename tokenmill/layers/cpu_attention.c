@@ -18,6 +18,22 @@ static inline void prefetch_bytes(const void *p, int64_t nbytes) {
     for (int64_t b = 0; b < nbytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T1);
 }
 
+/* The lines of the look-ahead rows' segment that one compute loop (attend_heads: one KV
+ * head's part of four key rows) prefetches, a few per iteration rather than all at once:
+ * a burst of prefetches waits for fill buffers while the rows' arithmetic waits behind it,
+ * so reading and computing took turns (one Xeon thread: K/V at 14-15 GB/s with the
+ * prefetch per key row, 16-19 spread, docs/bench/2026-12-07f). row[r] NULL: none. */
+typedef struct { const char *row[4]; int64_t seg, lines; } pf_spread;
+
+/* Prefetch the share of iteration `it` of a loop of `steps` (per = ceil(4 lines / steps)):
+ * line i is row i % 4's line i / 4. */
+static inline __attribute__((always_inline)) void pf_share(const pf_spread *p, int64_t it,
+                                                           int64_t per) {
+    if (!p) return;
+    for (int64_t i = it * per; i < (it + 1) * per && i < 4 * p->lines; i++)
+        if (p->row[i & 3]) _mm_prefetch(p->row[i & 3] + p->seg + (i >> 2) * 64, _MM_HINT_T1);
+}
+
 /* Address of element `elem` of a cache of value type dt. */
 static inline const void *kv_at(const void *cache, int64_t elem, int dt) {
     return (const char *)cache + elem * kv_elem_bytes(dt);
@@ -69,11 +85,13 @@ static inline __m128 dot4_scaled(const float *q, const void *const rows[4], int6
  * each key chunk is loaded once for all of them, and each head's sums are dot4_scaled's. */
 static inline __attribute__((always_inline)) void
 dot4_heads(const float *q, int64_t D, const int hb, const void *const rows[4], int64_t off,
-           float scale, int dt, __m128 *out) {
+           float scale, int dt, __m128 *out, const pf_spread *pf) {
     __m256 acc[ATT_HB][4];
     for (int h = 0; h < hb; h++)
         for (int r = 0; r < 4; r++) acc[h][r] = _mm256_setzero_ps();
+    const int64_t per = pf ? (4 * pf->lines * 8 + D - 1) / D : 0;   /* D / 8 steps */
     for (int64_t d = 0; d < D; d += 8) {
+        pf_share(pf, d / 8, per);
         const __m256 k0 = kv_load8(rows[0], off + d, dt), k1 = kv_load8(rows[1], off + d, dt);
         const __m256 k2 = kv_load8(rows[2], off + d, dt), k3 = kv_load8(rows[3], off + d, dt);
         for (int h = 0; h < hb; h++) {
@@ -95,10 +113,12 @@ dot4_heads(const float *q, int64_t D, const int hb, const void *const rows[4], i
  * bits). */
 static inline __attribute__((always_inline)) void
 add4_heads(float *o, int64_t D, const int hb, const float w[][4], const void *const rows[4],
-           int64_t off, int dt) {
+           int64_t off, int dt, const pf_spread *pf) {
     int64_t d = 0;
 #ifdef __AVX512F__
+    const int64_t per = pf ? (4 * pf->lines * 16 + D - 1) / D : 0;   /* D / 16 steps */
     for (; d + 16 <= D; d += 16) {
+        pf_share(pf, d / 16, per);
         __m512 v[4];
         for (int r = 0; r < 4; r++) v[r] = kv_load16(rows[r], off + d, dt);
         for (int h = 0; h < hb; h++) {
@@ -109,6 +129,9 @@ add4_heads(float *o, int64_t D, const int hb, const float w[][4], const void *co
     }
 #endif
     for (; d < D; d += 8) {
+#ifndef __AVX512F__
+        pf_share(pf, d / 8, pf ? (4 * pf->lines * 8 + D - 1) / D : 0);
+#endif
         __m256 v[4];
         for (int r = 0; r < 4; r++) v[r] = kv_load8(rows[r], off + d, dt);
         for (int h = 0; h < hb; h++) {
@@ -300,9 +323,10 @@ static void attend(const float *qv, int64_t G, int64_t D, const void *k_cache, c
 }
 
 /* Walks the keys first, first + 1, .. of a run through a block table (and the row's
- * swap), one slot row of row_len values each, prefetching the row about ATT_PF_BYTES ahead
- * (4 to 32 keys) while inside the run (the loads wait on cache misses otherwise: each key's
- * row is a new stretch of the cache). The prefetch ignores the swap: one key's row missed. */
+ * swap), one slot row of row_len values each, with a second cursor about ATT_PF_BYTES ahead
+ * (4 to 32 keys) whose rows the arithmetic prefetches while inside the run (pf_spread: the
+ * loads wait on cache misses otherwise, each key's row being a new stretch of the cache).
+ * The look-ahead ignores the swap: one key's row missed. */
 typedef struct { int64_t blk, off, pf, pf_blk, pf_off, end; key_swap sw; } slot_walk;
 
 static inline slot_walk walk_from(int64_t first, int64_t n, int64_t bs, int64_t row_bytes,
@@ -315,14 +339,15 @@ static inline slot_walk walk_from(int64_t first, int64_t n, int64_t bs, int64_t 
     return w;
 }
 
-/* The current key's row (a float cache of value type dt); steps to the next key. */
+/* The current key's row (a float cache of value type dt); steps to the next key. *ahead:
+ * the look-ahead cursor's row, or NULL past the run's end. */
 static inline const void *walk_next(slot_walk *w, const void *cache, const int64_t *table,
-                                    int64_t bs, int64_t row_len, int dt) {
+                                    int64_t bs, int64_t row_len, int dt, const char **ahead) {
     const void *row = kv_at(cache, key_slot(table, w->blk, w->off, bs, w->sw) * row_len, dt);
     if (++w->off == bs) { w->off = 0; w->blk++; }
+    *ahead = NULL;
     if (w->pf < w->end) {
-        prefetch_bytes(kv_at(cache, (table[w->pf_blk] * bs + w->pf_off) * row_len, dt),
-                       row_len * kv_elem_bytes(dt));
+        *ahead = (const char *)kv_at(cache, (table[w->pf_blk] * bs + w->pf_off) * row_len, dt);
         w->pf++;
         if (++w->pf_off == bs) { w->pf_off = 0; w->pf_blk++; }
     }
@@ -349,16 +374,20 @@ static inline __attribute__((always_inline)) void attend_heads_as(
     for (; j + 4 <= n; j += 4) {
         const void *rows[4];
         int64_t slots[4];
+        pf_spread ahead = {{NULL}, 0, (D * kv_elem_bytes(dt) + 63) / 64};
         for (int r = 0; r < 4; r++) {
-            rows[r] = walk_next(&keys, k_cache, table, bs, row_len, dt);
+            rows[r] = walk_next(&keys, k_cache, table, bs, row_len, dt, &ahead.row[r]);
             slots[r] = ((const char *)rows[r] - (const char *)k_cache) / (row_len * kv_elem_bytes(dt));
         }
         for (int64_t h0 = 0, h1; h0 < Hq; h0 = h1) {   /* heads of one KV head, ATT_HB at a time */
             const int64_t kvh = h0 / group;
             h1 = h0 + ATT_HB < (kvh + 1) * group ? h0 + ATT_HB : (kvh + 1) * group;
             __m128 s4[ATT_HB];
+            /* the KV head's part of the rows ahead, by its first run of heads */
+            ahead.seg = kvh * D * kv_elem_bytes(dt);
+            const pf_spread *pf = h0 == kvh * group ? &ahead : NULL;
             switch (h1 - h0) {   /* a constant head count: the accumulators stay in registers */
-#define ATT_DOT4_HEADS(HB) dot4_heads(qv + h0 * D, D, HB, rows, kvh * D, scale, dt, s4); break;
+#define ATT_DOT4_HEADS(HB) dot4_heads(qv + h0 * D, D, HB, rows, kvh * D, scale, dt, s4, pf); break;
             case 1: ATT_DOT4_HEADS(1)
 #if ATT_HB > 2
             case 3: ATT_DOT4_HEADS(3)
@@ -377,7 +406,8 @@ static inline __attribute__((always_inline)) void attend_heads_as(
         }
     }
     for (; j < n; j++) {
-        const void *row = walk_next(&keys, k_cache, table, bs, row_len, dt);
+        const char *unused;
+        const void *row = walk_next(&keys, k_cache, table, bs, row_len, dt, &unused);
         const int64_t slot = ((const char *)row - (const char *)k_cache) / (row_len * kv_elem_bytes(dt));
         for (int64_t h = 0; h < Hq; h++) {
             float s = dot_kv(qv + h * D, kv_at(row, (h / group) * D, dt), D, dt) * scale;
@@ -391,21 +421,24 @@ static inline __attribute__((always_inline)) void attend_heads_as(
     for (j = 0; j + 4 <= n; j += 4) {
         const void *rows[4];
         int64_t slots[4];
+        pf_spread ahead = {{NULL}, 0, (D * kv_elem_bytes(dt) + 63) / 64};
         for (int r = 0; r < 4; r++) {
-            rows[r] = walk_next(&values, v_cache, table, bs, row_len, dt);
+            rows[r] = walk_next(&values, v_cache, table, bs, row_len, dt, &ahead.row[r]);
             slots[r] = dt == KV_I8 ? ((const char *)rows[r] - (const char *)v_cache) / row_len : 0;
         }
         for (int64_t h0 = 0, h1; h0 < Hq; h0 = h1) {
             const int64_t kvh = h0 / group;
             h1 = h0 + ATT_HB < (kvh + 1) * group ? h0 + ATT_HB : (kvh + 1) * group;
             float w[ATT_HB][4];
+            ahead.seg = kvh * D * kv_elem_bytes(dt);
+            const pf_spread *pf = h0 == kvh * group ? &ahead : NULL;
             for (int64_t h = h0; h < h1; h++)
                 for (int r = 0; r < 4; r++) {
                     const float p = scores[h * n + j + r];
                     w[h - h0][r] = dt == KV_I8 ? p * v_scale[slots[r] * Hkv + kvh] : p;
                 }
             switch (h1 - h0) {
-#define ATT_ADD4_HEADS(HB) add4_heads(o + h0 * D, D, HB, w, rows, kvh * D, dt); break;
+#define ATT_ADD4_HEADS(HB) add4_heads(o + h0 * D, D, HB, w, rows, kvh * D, dt, pf); break;
             case 1: ATT_ADD4_HEADS(1)
 #if ATT_HB > 2
             case 3: ATT_ADD4_HEADS(3)
@@ -417,7 +450,8 @@ static inline __attribute__((always_inline)) void attend_heads_as(
         }
     }
     for (; j < n; j++) {
-        const void *row = walk_next(&values, v_cache, table, bs, row_len, dt);
+        const char *unused;
+        const void *row = walk_next(&values, v_cache, table, bs, row_len, dt, &unused);
         const int64_t slot = dt == KV_I8 ? ((const char *)row - (const char *)v_cache) / row_len : 0;
         for (int64_t h = 0; h < Hq; h++) {
             const float p = scores[h * n + j];
