@@ -21,8 +21,9 @@ static inline void prefetch_bytes(const void *p, int64_t nbytes) {
 /* The lines of the look-ahead rows' segment that one compute loop (attend_heads: one KV
  * head's part of four key rows) prefetches, a few per iteration rather than all at once:
  * a burst of prefetches waits for fill buffers while the rows' arithmetic waits behind it,
- * so reading and computing took turns (one Xeon thread: K/V at 14-15 GB/s with the
- * prefetch per key row, 16-19 spread, docs/bench/2026-12-07f). row[r] NULL: none. */
+ * so reading and computing took turns (a 2-core Xeon, SmolLM2's heads: K/V at 11-15 GB/s
+ * with a key row's prefetch at once, 13-18 spread, docs/bench/2026-12-07f). row[r] NULL:
+ * none. */
 typedef struct { const char *row[4]; int64_t seg, lines; } pf_spread;
 
 /* Prefetch the share of iteration `it` of a loop of `steps` (per = ceil(4 lines / steps)):
@@ -128,9 +129,12 @@ add4_heads(float *o, int64_t D, const int hb, const float w[][4], const void *co
         }
     }
 #endif
+#ifndef __AVX512F__
+    const int64_t per = pf ? (4 * pf->lines * 8 + D - 1) / D : 0;   /* D / 8 steps */
+#endif
     for (; d < D; d += 8) {
 #ifndef __AVX512F__
-        pf_share(pf, d / 8, pf ? (4 * pf->lines * 8 + D - 1) / D : 0);
+        pf_share(pf, d / 8, per);
 #endif
         __m256 v[4];
         for (int r = 0; r < 4; r++) v[r] = kv_load8(rows[r], off + d, dt);
