@@ -26,8 +26,19 @@ static inline void prefetch_bytes(const void *p, int64_t nbytes) {
  * none. */
 typedef struct { const char *row[4]; int64_t seg, lines; } pf_spread;
 
-/* Prefetch the share of iteration `it` of a loop of `steps` (per = ceil(4 lines / steps)):
- * line i is row i % 4's line i / 4. */
+/* The rows ahead for the KV head kvh's loop (each row's D values from kvh * D), or NULL
+ * where an earlier run of that head's query heads (`first` false) already prefetched them. */
+static inline const pf_spread *pf_head(pf_spread *p, int64_t kvh, int64_t D, int dt, int first) {
+    p->seg = kvh * D * kv_elem_bytes(dt);
+    return first ? p : NULL;
+}
+
+/* Lines a loop of `steps` iterations prefetches per iteration: ceil(4 rows' lines / steps). */
+static inline int64_t pf_per(const pf_spread *p, int64_t steps) {
+    return p ? (4 * p->lines + steps - 1) / steps : 0;
+}
+
+/* Prefetch the share of iteration `it` (per: pf_per): line i is row i % 4's line i / 4. */
 static inline __attribute__((always_inline)) void pf_share(const pf_spread *p, int64_t it,
                                                            int64_t per) {
     if (!p) return;
@@ -90,7 +101,7 @@ dot4_heads(const float *q, int64_t D, const int hb, const void *const rows[4], i
     __m256 acc[ATT_HB][4];
     for (int h = 0; h < hb; h++)
         for (int r = 0; r < 4; r++) acc[h][r] = _mm256_setzero_ps();
-    const int64_t per = pf ? (4 * pf->lines * 8 + D - 1) / D : 0;   /* D / 8 steps */
+    const int64_t per = pf_per(pf, D / 8);
     for (int64_t d = 0; d < D; d += 8) {
         pf_share(pf, d / 8, per);
         const __m256 k0 = kv_load8(rows[0], off + d, dt), k1 = kv_load8(rows[1], off + d, dt);
@@ -117,7 +128,7 @@ add4_heads(float *o, int64_t D, const int hb, const float w[][4], const void *co
            int64_t off, int dt, const pf_spread *pf) {
     int64_t d = 0;
 #ifdef __AVX512F__
-    const int64_t per = pf ? (4 * pf->lines * 16 + D - 1) / D : 0;   /* D / 16 steps */
+    const int64_t per = pf_per(pf, D / 16);
     for (; d + 16 <= D; d += 16) {
         pf_share(pf, d / 16, per);
         __m512 v[4];
@@ -130,7 +141,7 @@ add4_heads(float *o, int64_t D, const int hb, const float w[][4], const void *co
     }
 #endif
 #ifndef __AVX512F__
-    const int64_t per = pf ? (4 * pf->lines * 8 + D - 1) / D : 0;   /* D / 8 steps */
+    const int64_t per = pf_per(pf, D / 8);
 #endif
     for (; d < D; d += 8) {
 #ifndef __AVX512F__
@@ -388,8 +399,7 @@ static inline __attribute__((always_inline)) void attend_heads_as(
             h1 = h0 + ATT_HB < (kvh + 1) * group ? h0 + ATT_HB : (kvh + 1) * group;
             __m128 s4[ATT_HB];
             /* the KV head's part of the rows ahead, by its first run of heads */
-            ahead.seg = kvh * D * kv_elem_bytes(dt);
-            const pf_spread *pf = h0 == kvh * group ? &ahead : NULL;
+            const pf_spread *pf = pf_head(&ahead, kvh, D, dt, h0 == kvh * group);
             switch (h1 - h0) {   /* a constant head count: the accumulators stay in registers */
 #define ATT_DOT4_HEADS(HB) dot4_heads(qv + h0 * D, D, HB, rows, kvh * D, scale, dt, s4, pf); break;
             case 1: ATT_DOT4_HEADS(1)
@@ -434,8 +444,7 @@ static inline __attribute__((always_inline)) void attend_heads_as(
             const int64_t kvh = h0 / group;
             h1 = h0 + ATT_HB < (kvh + 1) * group ? h0 + ATT_HB : (kvh + 1) * group;
             float w[ATT_HB][4];
-            ahead.seg = kvh * D * kv_elem_bytes(dt);
-            const pf_spread *pf = h0 == kvh * group ? &ahead : NULL;
+            const pf_spread *pf = pf_head(&ahead, kvh, D, dt, h0 == kvh * group);
             for (int64_t h = h0; h < h1; h++)
                 for (int r = 0; r < 4; r++) {
                     const float p = scores[h * n + j + r];
