@@ -107,12 +107,14 @@ gemm_block512(const float *x, const float *xp, int64_t M, int64_t K, int64_t p0,
      * four rows apart and one x base, each stepped along k */
     const float *xb = xp + p0 * k8 * 16, *w0 = wb, *w4 = w0 + 4 * K;
     const int64_t xs = k8 * 16;
+    int64_t pf_due = 0;   /* lines owed to the prefetch, in units of 1 / k8 */
     for (int64_t kb = 0; kb < k8; kb++, xb += 16, w0 += 8, w4 += 8) {
         __m512 xv[GEMM_PAIRS];
         for (int p = 0; p < P; p++) xv[p] = _mm512_loadu_ps(xb + p * xs);
-        /* two lines of the next block per step (its rows split over >= 2 row blocks) */
-        if (2 * kb < pf_lines) _mm_prefetch(pf + 2 * kb * 64, _MM_HINT_T1);
-        if (2 * kb + 1 < pf_lines) _mm_prefetch(pf + (2 * kb + 1) * 64, _MM_HINT_T1);
+        /* this row block's share of the next weight block, pf_lines / k8 lines a step
+         * spread evenly: a burst of prefetches holds the fill buffers and stalls the loads
+         * behind it (docs/bench/2026-12-07g: +13-16 % with W from memory) */
+        for (pf_due += pf_lines; pf_due >= k8; pf_due -= k8, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
         for (int j = 0; j < NR; j++) {
             __m512 wv = gemm_broadcast256((j < 4 ? w0 : w4) + (j & 3) * K);
             for (int p = 0; p < P; p++) acc[p][j] = _mm512_fmadd_ps(wv, xv[p], acc[p][j]);
