@@ -19,7 +19,7 @@ from tokenmill.layers.quant.methods import set_quant_activations
 from tokenmill.layers.quant.qgemm import tile_packed_linears
 from tokenmill.models.registry import model_class
 from tokenmill.models.weights import load_weights, randomize_weights
-from tokenmill.utils.heap import release_free_heap
+from tokenmill.utils.heap import keep_freed_heap, release_free_heap
 
 
 def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
@@ -74,6 +74,7 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     model.quantization_method = spec.method   # what runs (a checkpoint's own scheme too)
     model.eval()
     release_free_heap()   # the load's freed temporaries still hold heap pages
+    keep_freed_heap()     # a step's freed temporaries are the next step's: no refaulting
     return model
 
 
