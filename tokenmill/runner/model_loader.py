@@ -74,7 +74,11 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     model.quantization_method = spec.method   # what runs (a checkpoint's own scheme too)
     model.eval()
     release_free_heap()   # the load's freed temporaries still hold heap pages
-    keep_freed_heap()     # a step's freed temporaries are the next step's: no refaulting
+    if cpu_gemm_dtype is torch.bfloat16:
+        # bf16 mode's layers fault their freed-and-trimmed ~25 MB outputs in again at every
+        # 2048-token step (its prompts 7-24 % slower); fp32 and gguf-q8 gain nothing from
+        # keeping them and Gemma3 gguf-q8's peak RSS rose ~130 MB (docs/bench/2026-12-07g)
+        keep_freed_heap()
     return model
 
 
