@@ -6,10 +6,11 @@ a load (repacked GGUF slices, tiling passes, dequantized rows) end up on the hea
 freed they stay resident until something calls malloc_trim. After loading Gemma3-270m gguf
 with q8 tiles that is ~100 MB of RSS holding nothing.
 
-Once loaded, the opposite: a step's large temporaries (a 2048-token prefill's activations,
-~25 MB each) are freed at its end and allocated again by the next step. Left to glibc, the
-freed top of the heap is given back (its trim threshold follows the mmap threshold), and the
-next step faults every page in again, zeroed by the kernel: keep_freed_heap stops that.
+Once loaded, the opposite can cost: a 2048-token step's large temporaries (~25 MB outputs)
+are freed layer after layer and allocated again by the next layer. Left to glibc, the free
+top of the heap goes back to the system (its trim threshold follows the mmap threshold), and
+the next layer faults every page in again, zeroed by the kernel. keep_freed_heap stops that;
+the loader asks for it where that was measured to pay (bf16 mode).
 """
 from __future__ import annotations
 
