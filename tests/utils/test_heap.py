@@ -1,10 +1,12 @@
-"""release_free_heap gives freed heap pages in the middle of the heap back (glibc)."""
+"""release_free_heap gives freed heap pages in the middle of the heap back; keep_freed_heap
+keeps freed pages for the next step (glibc)."""
 import ctypes
 import ctypes.util
+import resource
 
 import pytest
 
-from tokenmill.utils.heap import release_free_heap
+from tokenmill.utils.heap import keep_freed_heap, release_free_heap
 
 
 def _rss_mb() -> float:
@@ -12,15 +14,23 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * 4096 / 2**20
 
 
-@pytest.mark.skipif(ctypes.util.find_library("c") is None, reason="no C library to load")
-def test_freed_heap_pages_leave_rss():
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    if not hasattr(libc, "malloc_trim"):
+@pytest.fixture
+def libc():
+    """The C library with malloc / free / memset callable on raw addresses (glibc only)."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        pytest.skip("no C library to load")
+    lib = ctypes.CDLL(name)
+    if not (hasattr(lib, "malloc_trim") and hasattr(lib, "mallopt")):
         pytest.skip("not glibc")
-    libc.malloc.restype = ctypes.c_void_p
-    libc.malloc.argtypes = [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    lib.malloc.restype = ctypes.c_void_p
+    lib.malloc.argtypes = [ctypes.c_size_t]
+    lib.free.argtypes = [ctypes.c_void_p]
+    lib.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    return lib
+
+
+def test_freed_heap_pages_leave_rss(libc):
     # freeing a mapped 24 MB block raises glibc's mmap threshold: 1 MB blocks then come
     # from the heap, as a load's temporaries do
     big = libc.malloc(24 << 20)
@@ -39,22 +49,11 @@ def test_freed_heap_pages_leave_rss():
     assert before - after > 48, f"RSS {before:.0f} -> {after:.0f} MB"
 
 
-@pytest.mark.skipif(ctypes.util.find_library("c") is None, reason="no C library to load")
-def test_kept_heap_serves_the_next_step_without_faults():
+def test_kept_heap_serves_the_next_step_without_faults(libc):
     """After keep_freed_heap, large blocks freed and allocated again (a step's activations)
     reuse the same resident pages: no page is faulted in (and zeroed) a second time. Left to
     glibc, the 72 MB freed at the heap's top exceed its trim threshold (twice the largest
     mapped block freed) and go back to the system every step."""
-    import resource
-
-    from tokenmill.utils.heap import keep_freed_heap
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    if not hasattr(libc, "mallopt"):
-        pytest.skip("not glibc")
-    libc.malloc.restype = ctypes.c_void_p
-    libc.malloc.argtypes = [ctypes.c_size_t]
-    libc.free.argtypes = [ctypes.c_void_p]
-    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
     size = 24 << 20   # a 2048-token prefill's gate_up output in float32
     assert keep_freed_heap()
 
