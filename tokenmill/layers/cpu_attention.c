@@ -139,8 +139,7 @@ add4_heads(float *o, int64_t D, const int hb, const float w[][4], const void *co
             _mm512_storeu_ps(o + h * D + d, acc);
         }
     }
-#endif
-#ifndef __AVX512F__
+#else
     const int64_t per = pf_per(pf, D / 8);
 #endif
     for (; d < D; d += 8) {
