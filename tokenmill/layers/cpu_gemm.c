@@ -220,14 +220,17 @@ static void linear_blocked_as(const float *x, int64_t M, int64_t K, const void *
 
 static inline __attribute__((always_inline)) void
 gemm_block256(const float *x, int64_t K, int64_t m0, const int MR, const float *wb, int64_t n0,
-              const int NR, const float *bias, float *y, int64_t N) {
+              const int NR, const float *bias, float *y, int64_t N, const char *pf,
+              int64_t pf_lines) {
     const int64_t k8 = K / 8;
     __m256 acc[GEMM_MR][GEMM_NR];
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
+    int64_t pf_due = 0;   /* lines owed to the prefetch, in units of 1 / k8 (gemm_block512) */
     for (int64_t kb = 0; kb < k8; kb++) {
         __m256 xv[GEMM_MR];
         for (int i = 0; i < MR; i++) xv[i] = _mm256_loadu_ps(x + (m0 + i) * K + kb * 8);
+        for (pf_due += pf_lines; pf_due >= k8; pf_due -= k8, pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
         for (int j = 0; j < NR; j++) {
             __m256 wv = _mm256_loadu_ps(wb + j * K + kb * 8);
             for (int i = 0; i < MR; i++) acc[i][j] = _mm256_fmadd_ps(wv, xv[i], acc[i][j]);
@@ -243,12 +246,13 @@ gemm_block256(const float *x, int64_t K, int64_t m0, const int MR, const float *
 }
 
 static void gemm_block_m(const float *x, int64_t K, int64_t m0, int MR, const float *wb,
-                         int64_t n0, int NR, const float *bias, float *y, int64_t N) {
+                         int64_t n0, int NR, const float *bias, float *y, int64_t N,
+                         const char *pf, int64_t pf_lines) {
 #define GEMM_NR_CASES(MC) switch (NR) {                                                   \
-        case 1: gemm_block256(x, K, m0, MC, wb, n0, 1, bias, y, N); break;                 \
-        case 2: gemm_block256(x, K, m0, MC, wb, n0, 2, bias, y, N); break;                 \
-        case 3: gemm_block256(x, K, m0, MC, wb, n0, 3, bias, y, N); break;                 \
-        default: gemm_block256(x, K, m0, MC, wb, n0, 4, bias, y, N); break; }
+        case 1: gemm_block256(x, K, m0, MC, wb, n0, 1, bias, y, N, pf, pf_lines); break;   \
+        case 2: gemm_block256(x, K, m0, MC, wb, n0, 2, bias, y, N, pf, pf_lines); break;   \
+        case 3: gemm_block256(x, K, m0, MC, wb, n0, 3, bias, y, N, pf, pf_lines); break;   \
+        default: gemm_block256(x, K, m0, MC, wb, n0, 4, bias, y, N, pf, pf_lines); break; }
     switch (MR) {
         case 1: GEMM_NR_CASES(1) break;
         case 2: GEMM_NR_CASES(2) break;
@@ -279,9 +283,17 @@ static void linear_blocked_as(const float *x, int64_t M, int64_t K, const void *
                 const char *rows = (const char *)w + n0 * K * esize;
                 const float *wb = (const float *)rows;
                 if (own) { gemm_widen_rows(rows, dt, nr, K, own); wb = own; }
-                for (int64_t m0 = c0; m0 < c1; m0 += GEMM_MR)
+                /* the next block's rows into L2, spread over this one's row blocks as
+                 * gemm_rows512 spreads them (AVX2 build on a Xeon: W from memory ran 27 %
+                 * below W cached without it, docs/bench/2026-12-07h) */
+                const int64_t next_rows = N - n0 - nr < GEMM_NR ? N - n0 - nr : GEMM_NR;
+                const int64_t lines = next_rows * K * esize / 64, mblocks = (c1 - c0 + GEMM_MR - 1) / GEMM_MR;
+                const char *next = rows + nr * K * esize;
+                for (int64_t q = 0; q < mblocks; q++) {
+                    const int64_t m0 = c0 + q * GEMM_MR, l0 = q * lines / mblocks, l1 = (q + 1) * lines / mblocks;
                     gemm_block_m(x, K, m0, (int)(c1 - m0 < GEMM_MR ? c1 - m0 : GEMM_MR), wb, n0, nr,
-                                 bias, y, N);
+                                 bias, y, N, next + l0 * 64, l1 - l0);
+                }
             }
         }
     }
