@@ -1,8 +1,15 @@
-# 32 x 128-token prompts prefix-cached, then 128 decode steps at 32 sequences; usage: decode32.py DTYPE ISA [profile|- [KV_CACHE_DTYPE]]
+# 32 x 128-token prompts prefix-cached, then 128 decode steps at 32 sequences; usage: decode32.py DTYPE|gguf-q8 ISA [profile|- [KV_CACHE_DTYPE]]
 import sys, time, torch, cProfile, pstats
 from tokenmill import LLM, SamplingParams
 dt, isa = sys.argv[1], sys.argv[2]
-llm = LLM(model="smollm2-135m", cpu_gemm_dtype=dt, cpu_isa=isa, max_num_seqs=32, enable_prefix_caching=True, num_threads=2, kv_cache_dtype=(sys.argv[4] if len(sys.argv) > 4 else "auto"))
+# DTYPE gguf-q8 (added in 2026-12-07h): the SmolLM2 GGUF as gguf-q8 instead of the HF weights
+if dt == "gguf-q8":
+    import glob, os
+    model = glob.glob(os.path.expanduser("~/.cache/tokenmill/smollm2-135m/*.gguf"))[0]
+    kw = dict(quantization="gguf", quant_activations="q8", skip_tokenizer_init=True)
+else:
+    model, kw = "smollm2-135m", dict(cpu_gemm_dtype=dt)
+llm = LLM(model=model, **kw, cpu_isa=isa, max_num_seqs=32, enable_prefix_caching=True, num_threads=2, kv_cache_dtype=(sys.argv[4] if len(sys.argv) > 4 else "auto"))
 g = torch.Generator().manual_seed(0)
 prompts = [{"prompt_token_ids": torch.randint(100, 40000, (128,), generator=g).tolist()} for _ in range(32)]
 llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
