@@ -85,12 +85,14 @@ static inline __m128 dot4_scaled(const float *q, const void *const rows[4], int6
     return _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale));
 }
 
-/* Query heads that share each K / V chunk load in attend_heads: their accumulators, the four
- * key rows and a q chunk stay in registers (AVX-512VL has 32 vector registers, AVX2 16). */
+/* Query heads that share each K / V chunk load in attend_heads: their accumulators, their q
+ * chunks and one key chunk stay in registers (AVX-512VL has 32 vector registers; AVX2's 16
+ * hold three heads: 12 accumulators, 3 q chunks, 1 key chunk, so a GQA group of three, as
+ * SmolLM2's, is one run that widens each key chunk once). */
 #ifdef __AVX512F__
 #define ATT_HB 4
 #else
-#define ATT_HB 2
+#define ATT_HB 3
 #endif
 
 /* dot4_scaled for hb heads at once (q rows D apart, one KV head at `off` in each key row):
@@ -104,14 +106,11 @@ dot4_heads(const float *q, int64_t D, const int hb, const void *const rows[4], i
     const int64_t per = pf_per(pf, D / 8);
     for (int64_t d = 0; d < D; d += 8) {
         pf_share(pf, d / 8, per);
-        const __m256 k0 = kv_load8(rows[0], off + d, dt), k1 = kv_load8(rows[1], off + d, dt);
-        const __m256 k2 = kv_load8(rows[2], off + d, dt), k3 = kv_load8(rows[3], off + d, dt);
-        for (int h = 0; h < hb; h++) {
-            const __m256 x = _mm256_loadu_ps(q + h * D + d);
-            acc[h][0] = _mm256_fmadd_ps(x, k0, acc[h][0]);
-            acc[h][1] = _mm256_fmadd_ps(x, k1, acc[h][1]);
-            acc[h][2] = _mm256_fmadd_ps(x, k2, acc[h][2]);
-            acc[h][3] = _mm256_fmadd_ps(x, k3, acc[h][3]);
+        __m256 x[ATT_HB];
+        for (int h = 0; h < hb; h++) x[h] = _mm256_loadu_ps(q + h * D + d);
+        for (int r = 0; r < 4; r++) {
+            const __m256 k = kv_load8(rows[r], off + d, dt);
+            for (int h = 0; h < hb; h++) acc[h][r] = _mm256_fmadd_ps(x[h], k, acc[h][r]);
         }
     }
     for (int h = 0; h < hb; h++)
@@ -402,8 +401,8 @@ static inline __attribute__((always_inline)) void attend_heads_as(
             switch (h1 - h0) {   /* a constant head count: the accumulators stay in registers */
 #define ATT_DOT4_HEADS(HB) dot4_heads(qv + h0 * D, D, HB, rows, kvh * D, scale, dt, s4, pf); break;
             case 1: ATT_DOT4_HEADS(1)
-#if ATT_HB > 2
             case 3: ATT_DOT4_HEADS(3)
+#if ATT_HB > 3
             case 4: ATT_DOT4_HEADS(4)
 #endif
             default: ATT_DOT4_HEADS(2)
@@ -452,8 +451,8 @@ static inline __attribute__((always_inline)) void attend_heads_as(
             switch (h1 - h0) {
 #define ATT_ADD4_HEADS(HB) add4_heads(o + h0 * D, D, HB, w, rows, kvh * D, dt, pf); break;
             case 1: ATT_ADD4_HEADS(1)
-#if ATT_HB > 2
             case 3: ATT_ADD4_HEADS(3)
+#if ATT_HB > 3
             case 4: ATT_ADD4_HEADS(4)
 #endif
             default: ATT_ADD4_HEADS(2)
