@@ -43,6 +43,20 @@ static void gemm_widen_rows(const void *w, int dt, int64_t nr, int64_t K, float 
     else gemm_widen_rows_as(w, KV_BF16, nr, K, dst);
 }
 
+/* The weight block after rows [n0, n0 + nr) (block_rows rows a block, K values of esize
+ * bytes a row, rows at `rows`): its first byte, and in *lines its whole 64-byte lines. Both
+ * builds' blocked loops prefetch it into L2 while the current block computes, row block q of
+ * n taking lines [q lines / n, (q + 1) lines / n), each share spread over its k steps: read
+ * from memory in the first row block alone, a block waited on DRAM there (gate_up and the
+ * head, whose W never stays cached; docs/bench/2026-12-07g and 2026-12-07h). */
+static inline const char *gemm_next_block(const char *rows, int64_t N, int64_t n0, int64_t nr,
+                                          int64_t block_rows, int64_t K, int64_t esize,
+                                          int64_t *lines) {
+    const int64_t next_rows = N - n0 - nr < block_rows ? N - n0 - nr : block_rows;
+    *lines = next_rows * K * esize / 64;
+    return rows + nr * K * esize;
+}
+
 #ifdef __AVX512F__
 #define GEMM_PAIRS 3   /* pairs of activation rows per block (6 rows) */
 #define GEMM_NR 8      /* weight rows per block: one vector of 16 sums per pair */
@@ -182,13 +196,8 @@ static void gemm_rows512(const float *x, int64_t M, int64_t K, const void *w, in
             const char *rows = (const char *)w + n0 * K * esize;
             const float *wb = (const float *)rows;
             if (dt != KV_F32) { gemm_widen_rows(rows, dt, nr, K, own); wb = own; }
-            /* the next block's weight rows are fetched into L2 while this one computes,
-             * spread over its row blocks: read from memory in the first row block alone, a
-             * block of 8 rows waited on DRAM there (gate_up and the head, whose W never
-             * stays cached) */
-            const int64_t next_rows = N - n0 - nr < GEMM_NR ? N - n0 - nr : GEMM_NR;
-            const int64_t lines = next_rows * K * esize / 64;
-            const char *next = rows + nr * K * esize;
+            int64_t lines;   /* the next block, into L2 meanwhile (gemm_next_block) */
+            const char *next = gemm_next_block(rows, N, n0, nr, GEMM_NR, K, esize, &lines);
             for (int64_t q = 0; q < pblocks; q++) {
                 const int64_t p0 = q * GEMM_PAIRS, l0 = q * lines / pblocks, l1 = (q + 1) * lines / pblocks;
                 gemm_block_p(x, xp, M, K, p0, (int)(pairs - p0 < GEMM_PAIRS ? pairs - p0 : GEMM_PAIRS),
@@ -283,12 +292,11 @@ static void linear_blocked_as(const float *x, int64_t M, int64_t K, const void *
                 const char *rows = (const char *)w + n0 * K * esize;
                 const float *wb = (const float *)rows;
                 if (own) { gemm_widen_rows(rows, dt, nr, K, own); wb = own; }
-                /* the next block's rows into L2, spread over this one's row blocks as
-                 * gemm_rows512 spreads them (AVX2 build on a Xeon: W from memory ran 27 %
-                 * below W cached without it, docs/bench/2026-12-07h) */
-                const int64_t next_rows = N - n0 - nr < GEMM_NR ? N - n0 - nr : GEMM_NR;
-                const int64_t lines = next_rows * K * esize / 64, mblocks = (c1 - c0 + GEMM_MR - 1) / GEMM_MR;
-                const char *next = rows + nr * K * esize;
+                /* the next block, into L2 meanwhile (gemm_next_block; without it W from
+                 * memory ran 27 % below W cached on a Xeon, docs/bench/2026-12-07h) */
+                int64_t lines;
+                const char *next = gemm_next_block(rows, N, n0, nr, GEMM_NR, K, esize, &lines);
+                const int64_t mblocks = (c1 - c0 + GEMM_MR - 1) / GEMM_MR;
                 for (int64_t q = 0; q < mblocks; q++) {
                     const int64_t m0 = c0 + q * GEMM_MR, l0 = q * lines / mblocks, l1 = (q + 1) * lines / mblocks;
                     gemm_block_m(x, K, m0, (int)(c1 - m0 < GEMM_MR ? c1 - m0 : GEMM_MR), wb, n0, nr,
