@@ -69,22 +69,6 @@ static inline int64_t key_slot(const int64_t *table, int64_t blk, int64_t off, i
     return slot == sw.from ? sw.to : slot;
 }
 
-/* q . rows[r] + off for four key rows at once (D % 8 == 0), times scale: the block both
- * score loops use, so their arithmetic is one and the same. */
-static inline __m128 dot4_scaled(const float *q, const void *const rows[4], int64_t off,
-                                 int64_t D, float scale, int dt) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-        __m256 x = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(x, kv_load8(rows[0], off + d, dt), a0);
-        a1 = _mm256_fmadd_ps(x, kv_load8(rows[1], off + d, dt), a1);
-        a2 = _mm256_fmadd_ps(x, kv_load8(rows[2], off + d, dt), a2);
-        a3 = _mm256_fmadd_ps(x, kv_load8(rows[3], off + d, dt), a3);
-    }
-    return _mm_mul_ps(hsum4(a0, a1, a2, a3), _mm_set1_ps(scale));
-}
-
 /* Query heads that share each K / V chunk load in attend_heads: their accumulators, their q
  * chunks and one key chunk stay in registers (AVX-512VL has 32 vector registers; AVX2's 16
  * hold three heads: 12 accumulators, 3 q chunks, 1 key chunk, so a GQA group of three, as
@@ -95,8 +79,11 @@ static inline __m128 dot4_scaled(const float *q, const void *const rows[4], int6
 #define ATT_HB 3
 #endif
 
-/* dot4_scaled for hb heads at once (q rows D apart, one KV head at `off` in each key row):
- * each key chunk is loaded once for all of them, and each head's sums are dot4_scaled's. */
+/* q_h . rows[r] + off for four key rows and hb query heads at once (q rows D apart, one KV
+ * head at `off` in each key row, D % 8 == 0), times scale: out[h] lane r. Each key chunk is
+ * loaded once for all heads; each head's sums are the same whatever hb, so both score loops
+ * (scores_kv one head at a time, attend_heads a run of heads) give the same bits. pf: the
+ * look-ahead rows this pass prefetches, or NULL. */
 static inline __attribute__((always_inline)) void
 dot4_heads(const float *q, int64_t D, const int hb, const void *const rows[4], int64_t off,
            float scale, int dt, __m128 *out, const pf_spread *pf) {
@@ -182,8 +169,11 @@ static void scores_kv(const float *qv, int64_t G, int64_t D, const void *k_cache
                 if (++pf_off == bs) { pf_off = 0; pf_blk++; }
             }
         }
-        for (int64_t g = 0; g < G; g++)
-            _mm_storeu_ps(scores + g * n + j, dot4_scaled(qv + g * D, rows, 0, D, scale, dt));
+        for (int64_t g = 0; g < G; g++) {
+            __m128 s4;
+            dot4_heads(qv + g * D, D, 1, rows, 0, scale, dt, &s4, NULL);
+            _mm_storeu_ps(scores + g * n + j, s4);
+        }
     }
     for (; j < n; j++) {
         const void *row = kv_at(k_cache, (key_slot(table, blk, off, bs, sw) * Hkv + kvh) * D, dt);
