@@ -66,8 +66,13 @@ def measure_read_bandwidth_gbps(num_bytes: int = 256 * 1024**2, repeats: int = 9
     """CPU memory read bandwidth, what a decode step's weight and KV reads are bound by: the
     fastest of ``repeats`` sums over a buffer far larger than the caches (slower runs are
     other work on the box; this memory's speed also drifts between runs, so floors should
-    take the faster of a measurement before and one after)."""
-    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    take the faster of a measurement before and one after). The buffer sits on 2 MB pages
+    where the system has them: through 4 KB pages the same sum read ~20 % slower on a VM
+    (utils/hugepages.py), and the engine reads its weights and KV cache through huge pages."""
+    from tokenmill.utils.hugepages import anonymous_map
+    pages = anonymous_map(num_bytes, huge=True)
+    src = torch.frombuffer(pages, dtype=torch.float32, count=num_bytes // 4)
+    src.fill_(1.0)
 
     def once() -> float:
         t = time.perf_counter()

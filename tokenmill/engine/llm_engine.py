@@ -112,7 +112,7 @@ class LLMEngine:
             kv_dtype=str(self.kv_dtype).removeprefix("torch."), max_model_len=self.max_model_len,
             quantization=mc.quantization, quant_activations=mc.quant_activations,
             cpu_weight_prepack=mc.cpu_weight_prepack, cpu_kernels=mc.cpu_kernels,
-            cpu_gemm_dtype=mc.cpu_gemm_dtype, cpu_isa=mc.cpu_isa,
+            cpu_gemm_dtype=mc.cpu_gemm_dtype, cpu_isa=mc.cpu_isa, huge_pages=mc.huge_pages,
             attention_backend=mc.attention_backend, torch_compile=mc.torch_compile, seed=mc.seed,
             device=mc.device, enforce_eager=mc.enforce_eager, load_format=mc.load_format,
             max_num_seqs=self.config.scheduler.max_num_seqs,

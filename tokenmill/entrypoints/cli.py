@@ -81,6 +81,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="don't keep a oneDNN-layout copy of float32 weights for prefill / batched "
                         "matmuls, nor the tiled int8 / int4 copy of q8 linears (saves that memory; "
                         "batched GEMMs up to 2-3x slower)")
+    g.add_argument("--no-huge-pages", dest="huge_pages", action="store_false",
+                   help="keep weights and the KV cache on ordinary 4 KB pages (default: 2 MB "
+                        "transparent huge pages on Linux, faster decode; the KV cache's resident "
+                        "memory then grows 2 MB at a time per layer)")
     g.add_argument("--cpu-gemm-dtype", default="float32", choices=["float32", "bfloat16"],
                    help="bfloat16 (CPUs with AVX-512 BF16 only): every float matmul on a "
                         "tiled bf16 copy, activations rounded to bf16, fp32 sums: faster "
@@ -150,7 +154,7 @@ def _make_llm(args):
                quantization=args.quantization, quant_activations=args.quant_activations,
                torch_compile=args.torch_compile, cpu_weight_prepack=args.cpu_weight_prepack,
                cpu_gemm_dtype=args.cpu_gemm_dtype, cpu_isa=args.cpu_isa,
-               cpu_kernels=args.cpu_kernels,
+               huge_pages=args.huge_pages, cpu_kernels=args.cpu_kernels,
                speculative_config=_json_arg("--speculative-config", args.speculative_config),
                speculative_model=args.speculative_model,
                num_speculative_tokens=args.num_speculative_tokens,

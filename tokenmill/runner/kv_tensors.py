@@ -66,12 +66,14 @@ def decide_num_blocks(num_kv_blocks: Optional[int], kv_cache_memory: Optional[in
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_dim: int, dtype: torch.dtype, device: torch.device) -> list:
+                       head_dim: int, dtype: torch.dtype, device: torch.device,
+                       huge_pages: bool = False) -> list:
+    """Per layer (K, V). ``huge_pages``: CPU caches fault in 2 MB pages (utils/hugepages.py)."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     if is_quantized_kv_dtype(dtype):
-        return [(QuantizedKV.zeros(shape, dtype, device), QuantizedKV.zeros(shape, dtype, device))
-                for _ in range(num_layers)]
-    return [(cache_zeros(shape, dtype, device), cache_zeros(shape, dtype, device))
+        return [(QuantizedKV.zeros(shape, dtype, device, huge_pages),
+                 QuantizedKV.zeros(shape, dtype, device, huge_pages)) for _ in range(num_layers)]
+    return [(cache_zeros(shape, dtype, device, huge_pages), cache_zeros(shape, dtype, device, huge_pages))
             for _ in range(num_layers)]
 
 

@@ -20,6 +20,7 @@ from tokenmill.layers.quant.qgemm import tile_packed_linears
 from tokenmill.models.registry import model_class
 from tokenmill.models.weights import load_weights, randomize_weights
 from tokenmill.utils.heap import keep_freed_heap, release_free_heap
+from tokenmill.utils.hugepages import collapse_dense_memory
 
 
 def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
@@ -28,7 +29,7 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
                 cpu_weight_prepack: bool = False, cpu_kernels: bool = True,
                 cpu_gemm_dtype: torch.dtype = torch.float32,
                 tp: TPGroup = SINGLE, expert_parallel: bool = False,
-                triton_kernels: bool = False) -> torch.nn.Module:
+                triton_kernels: bool = False, huge_pages: bool = False) -> torch.nn.Module:
     """``quantization``: None / "int8" / "int4[-gN]" / "fp8" / "gguf"; a quantized
     checkpoint (GPTQ, AWQ, FP8 config) brings its own scheme. ``quant_activations``: "fp32"
     / "q8" for the packed linears' matmuls. ``cpu_kernels``: the fused C kernels where
@@ -42,7 +43,8 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
     ``tp``: this rank's tensor-parallel group; each parameter loads only its piece (safetensors
     are read lazily, slice by slice). ``expert_parallel``: an MoE model's experts are split
     whole over the ranks of ``tp``. ``triton_kernels``: norms, RoPE and gated activations
-    run Triton kernels (the Triton backend; kernel_choice.py)."""
+    run Triton kernels (the Triton backend; kernel_choice.py). ``huge_pages``: once loaded,
+    the weights' memory is backed by 2 MB pages where the system allows (utils/hugepages.py)."""
     cfg = dict(checkpoint.hf_config)
     # RoPE tables only need to cover the context we serve.
     cfg["max_position_embeddings"] = max(max_model_len, 1)
@@ -79,6 +81,9 @@ def build_model(checkpoint, device: torch.device, dtype: torch.dtype,
         # 2048-token step (its prompts 7-24 % slower); fp32 and gguf-q8 gain nothing from
         # keeping them and Gemma3 gguf-q8's peak RSS rose ~130 MB (docs/bench/2026-12-07g)
         keep_freed_heap()
+    if huge_pages and device.type == "cpu":
+        # every decode step streams the weights: 2 MB pages, collapsed in place
+        collapse_dense_memory()
     return model
 
 

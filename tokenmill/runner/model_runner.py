@@ -47,7 +47,7 @@ class ModelRunner:
                  seed: int = 0, torch_compile: bool = False, cpu_kernels: bool = True,
                  faults: Optional[FaultInjector] = None, cuda_graphs: bool = False,
                  max_num_seqs: int = 64, max_model_len: int = 2048,
-                 bf16_prefill: bool = False) -> None:
+                 bf16_prefill: bool = False, huge_pages: bool = False) -> None:
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -59,7 +59,8 @@ class ModelRunner:
         self.kv_caches: list = [None] * a.num_hidden_layers
         for group in kv_layout.groups:
             caches = allocate_kv_caches(len(group.layers), group.num_blocks, block_size,
-                                        model.num_kv_heads, a.head_dim, dtype, device)
+                                        model.num_kv_heads, a.head_dim, dtype, device,
+                                        huge_pages=huge_pages)
             for layer, cache in zip(group.layers, caches):
                 self.kv_caches[layer] = cache
         # bf16_prefill (bf16 mode): prompt chunks' attention on bf16 tiles where they run

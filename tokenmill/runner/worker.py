@@ -45,6 +45,7 @@ class RankSpec:
     load_format: str = "auto"     # "dummy": random weights
     cpu_gemm_dtype: str = "float32"   # ModelConfig.cpu_gemm_dtype
     cpu_isa: str = "native"           # ModelConfig.cpu_isa
+    huge_pages: bool = True           # ModelConfig.huge_pages
     rank: int = 0
     world_size: int = 1
     master_addr: str = "127.0.0.1"
@@ -122,6 +123,7 @@ class RankWorker:
                                  cpu_gemm_dtype=_dtype(s.cpu_gemm_dtype),
                                  cpu_kernels=s.cpu_kernels, tp=self.tp,
                                  expert_parallel=s.expert_parallel,
+                                 huge_pages=s.huge_pages,
                                  triton_kernels=resolve_backend_name(
                                      s.attention_backend, self.device) == "triton")
         a = self.model.args
@@ -146,7 +148,8 @@ class RankWorker:
                                   torch_compile=s.torch_compile, cpu_kernels=s.cpu_kernels,
                                   faults=faults, cuda_graphs=not s.enforce_eager,
                                   max_num_seqs=s.max_num_seqs, max_model_len=s.max_model_len,
-                                  bf16_prefill=s.cpu_gemm_dtype == "bfloat16")
+                                  bf16_prefill=s.cpu_gemm_dtype == "bfloat16",
+                                  huge_pages=s.huge_pages)
         if s.speculative is None or s.rank != 0:
             return 0
         from tokenmill.spec.decoder import build_spec_decoder

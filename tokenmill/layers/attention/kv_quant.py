@@ -16,10 +16,11 @@ float32 C kernel declines it on dtype. Writes go through ``write_kv`` in base.py
 from __future__ import annotations
 
 import math
-import mmap
 from dataclasses import dataclass
 
 import torch
+
+from tokenmill.utils import hugepages
 
 QUANT_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 _QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -72,17 +73,23 @@ def _fp8_to_float_over_256(values: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float16).float()
 
 
-def cache_zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+def cache_zeros(shape: tuple, dtype: torch.dtype, device, huge_pages: bool = False) -> torch.Tensor:
     """A zero-filled KV cache tensor. On CPU from an anonymous memory map, whose pages the
     kernel hands out zeroed on first write: the pool costs resident memory only as blocks
     are used (a default 2 GB pool for a short chat is not 2 GB of RSS), and reading a slot
-    never written gives zeros, as torch.zeros would."""
+    never written gives zeros, as torch.zeros would. ``huge_pages``: a cache of 2 MB or more
+    starts on a 2 MB boundary of a mapping advised to fault in 2 MB pages
+    (utils/hugepages.py), so its resident memory grows 2 MB at a time."""
     device = torch.device(device)
     nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    pages = mmap.mmap(-1, nbytes)   # unmapped with the last tensor viewing it
-    return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+    huge = huge_pages and nbytes >= hugepages.HUGE_PAGE
+    # unmapped with the last tensor viewing it; the slack lets a huge-page cache start aligned
+    pages = hugepages.anonymous_map(nbytes + (hugepages.HUGE_PAGE if huge else 0), huge)
+    whole = torch.frombuffer(pages, dtype=torch.uint8)
+    start = -whole.data_ptr() % hugepages.HUGE_PAGE if huge else 0
+    return whole[start:start + nbytes].view(dtype).view(shape)
 
 
 @dataclass
@@ -97,11 +104,11 @@ class QuantizedKV:
     scale: torch.Tensor
 
     @staticmethod
-    def zeros(shape: tuple, dtype: torch.dtype, device) -> "QuantizedKV":
+    def zeros(shape: tuple, dtype: torch.dtype, device, huge_pages: bool = False) -> "QuantizedKV":
         if not is_quantized_kv_dtype(dtype):
             raise ValueError(f"not a quantized KV dtype: {dtype}")
-        return QuantizedKV(cache_zeros(shape, dtype, device),
-                           cache_zeros(shape[:-1], _SCALE_DTYPE, device))
+        return QuantizedKV(cache_zeros(shape, dtype, device, huge_pages),
+                           cache_zeros(shape[:-1], _SCALE_DTYPE, device, huge_pages))
 
     @property
     def shape(self) -> torch.Size:
