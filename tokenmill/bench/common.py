@@ -17,11 +17,13 @@ from tokenmill.bench.report import Chart, write_report
 
 def machine_info() -> dict:
     """Load, threads and versions; ``peak_rss_mb``: this process's peak resident memory so
-    far (taken at the end of a bench, the peak of everything it ran in-process)."""
+    far (taken at the end of a bench, the peak of everything it ran in-process);
+    ``huge_pages``: whether 2 MB pages were available to the engine's weights and KV cache."""
+    from tokenmill.utils.hugepages import supported
     load1, load5, _ = os.getloadavg()
     return {"load_avg_1m": round(load1, 2), "load_avg_5m": round(load5, 2),
             "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-            "torch": torch.__version__, "peak_rss_mb": peak_rss_mb()}
+            "torch": torch.__version__, "peak_rss_mb": peak_rss_mb(), "huge_pages": supported()}
 
 
 def peak_rss_mb() -> float:

@@ -75,17 +75,24 @@ def anonymous_map(nbytes: int, huge: bool) -> mmap.mmap:
 
 def _anonymous_ranges(min_bytes: int) -> list[tuple[int, int]]:
     """Writable private anonymous mappings (and the heap) of this process of at least
-    ``min_bytes``, as (start, end)."""
-    ranges = []
-    with open(f"/proc/{os.getpid()}/maps") as f:
+    ``min_bytes`` with resident 4 KB pages left, as (start, end): those already all on huge
+    pages are skipped (a process that loads several models would collapse them again)."""
+    ranges, current = [], None
+    with open(f"/proc/{os.getpid()}/smaps") as f:
         for line in f:
             fields = line.split()
-            name = fields[5] if len(fields) > 5 else ""
-            if fields[1] != "rw-p" or (name and name != "[heap]"):
-                continue
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            if end - start >= min_bytes:
-                ranges.append((start, end))
+            if "-" in fields[0] and not fields[0].endswith(":"):   # a mapping's header line
+                name = fields[5] if len(fields) > 5 else ""
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                current = None
+                if fields[1] == "rw-p" and (not name or name == "[heap]") and end - start >= min_bytes:
+                    current = [start, end, 0]
+            elif current is not None and fields[0] == "Rss:":
+                current[2] = int(fields[1])
+            elif current is not None and fields[0] == "AnonHugePages:":
+                if current[2] - int(fields[1]) >= HUGE_PAGE // 1024:   # kB of small pages
+                    ranges.append((current[0], current[1]))
+                current = None
     return ranges
 
 

@@ -1,4 +1,4 @@
-# 32 x 128-token prompts prefix-cached, then 128 decode steps at 32 sequences; usage: decode32.py DTYPE|gguf-q8 ISA [profile|- [KV_CACHE_DTYPE]]
+# 32 x 128-token prompts prefix-cached, then 128 decode steps at 32 sequences; usage: decode32.py DTYPE|gguf-q8 ISA [profile|- [KV_CACHE_DTYPE [HUGE_PAGES 0/1]]]
 import sys, time, torch, cProfile, pstats
 from tokenmill import LLM, SamplingParams
 dt, isa = sys.argv[1], sys.argv[2]
@@ -9,7 +9,9 @@ if dt == "gguf-q8":
     kw = dict(quantization="gguf", quant_activations="q8", skip_tokenizer_init=True)
 else:
     model, kw = "smollm2-135m", dict(cpu_gemm_dtype=dt)
-llm = LLM(model=model, **kw, cpu_isa=isa, max_num_seqs=32, enable_prefix_caching=True, num_threads=2, kv_cache_dtype=(sys.argv[4] if len(sys.argv) > 4 else "auto"))
+# HUGE_PAGES (added in 2026-12-07i): ModelConfig.huge_pages, default on
+huge = bool(int(sys.argv[5])) if len(sys.argv) > 5 else True
+llm = LLM(model=model, **kw, cpu_isa=isa, max_num_seqs=32, enable_prefix_caching=True, num_threads=2, kv_cache_dtype=(sys.argv[4] if len(sys.argv) > 4 else "auto"), huge_pages=huge)
 g = torch.Generator().manual_seed(0)
 prompts = [{"prompt_token_ids": torch.randint(100, 40000, (128,), generator=g).tolist()} for _ in range(32)]
 llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), use_tqdm=False)
