@@ -2,9 +2,9 @@
 
 A decode step reads every weight, and at long contexts every cached key and value, once.
 Through 4 KB pages each page is a TLB miss, and in a virtual machine each miss is a nested
-page walk. On a 2-vCPU Xeon VM the same read ran 23.6 GB/s over 4 KB pages and 28.5-29.9
-GB/s over 2 MB pages; the decode GEMVs over 30 layers of weights went from 24.7-25.1 to 27.5
-GB/s, long-context attention 9-15 % faster (docs/bench/2026-12-07i).
+page walk. On a 2-vCPU Xeon VM the same read ran 23.6-24.2 GB/s over 4 KB pages and 28.5-30.8
+over 2 MB pages; the decode GEMVs over 30 layers of weights 23.8-25.1 and 26.8-27.5 GB/s;
+long-context decode attention 9-14 % faster (docs/bench/2026-12-07i).
 
 Linux only, through transparent huge pages: with THP in "madvise" mode (the common default)
 memory gets huge pages only where asked. Two ways in:
@@ -21,6 +21,7 @@ to ordinary pages.
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import logging
 import mmap
@@ -31,8 +32,7 @@ logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 _PAGE = mmap.PAGESIZE
-_MADV_HUGEPAGE = 14    # linux/mman.h
-_MADV_COLLAPSE = 25    # Linux 6.1+
+_MADV_COLLAPSE = 25    # linux/mman.h, Linux 6.1+
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -114,8 +114,10 @@ def collapse_dense_memory(min_resident: float = 0.9) -> int:
                 continue
             if sum(b & 1 for b in vec.raw) < need:
                 continue
+            # EINVAL: a mapping that cannot, or a kernel without MADV_COLLAPSE: on to the next
+            # mapping; other failures (no free huge page just now) skip this stretch only
             if lib.madvise(chunk, HUGE_PAGE, _MADV_COLLAPSE) == 0:
                 collapsed += HUGE_PAGE
-            elif ctypes.get_errno() == 22 and collapsed == 0:   # EINVAL: no MADV_COLLAPSE here
-                return 0
+            elif ctypes.get_errno() == errno.EINVAL:
+                break
     return collapsed
