@@ -13,6 +13,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _small_pages_unless_marked(request, monkeypatch):
+    """Engines built in the test process keep 4 KB pages unless the test is marked
+    ``huge_pages`` (tests/utils/test_hugepages.py): collapsing a model's weights costs ~0.3-3 s
+    a GB at load (docs/bench/2026-12-07i), and the suite builds hundreds of engines."""
+    if request.node.get_closest_marker("huge_pages") is None:
+        from tokenmill.utils import hugepages
+        monkeypatch.setattr(hugepages, "supported", lambda: False)
+
+
 @pytest.fixture(scope="session")
 def triton_device() -> torch.device:
     """Where the Triton kernel tests put their tensors: the GPU when there is one (compiled

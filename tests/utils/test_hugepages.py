@@ -12,6 +12,7 @@ from tokenmill.config import ModelConfig
 from tokenmill.layers.attention.kv_quant import QuantizedKV, cache_zeros
 from tokenmill.utils import hugepages
 
+pytestmark = pytest.mark.huge_pages
 MB = 1 << 20
 
 
